@@ -1,0 +1,33 @@
+# Everything that needs Python depends on .venv, so a fresh clone needs only `make <target>`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-deep demo bench clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first: that pin takes the CPU wheel on these machines; an unpinned torch would
+# pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests
+
+test-deep: $(STAMP)
+	HYPOTHESIS_PROFILE=deep $(PY) -m pytest -q -n 2 tests
+
+demo: $(STAMP)
+	$(PY) -m bench.demo
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) build *.egg-info

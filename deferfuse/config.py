@@ -1,0 +1,128 @@
+"""Typed settings, declared once.
+
+Each setting has a name, a type, a default and help text.  Its initial value is read once from
+the environment variable ``DEFERFUSE_<NAME>``; code may change it globally with
+``config.set(name, value)`` or for a block with ``with config.override(name=value):``.
+Settings that change the code we compile carry ``affects_compile=True`` and enter the
+executable cache key (see ``compile_key()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from typing import Any, Callable, Iterator
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type
+    default: Any
+    help: str
+    affects_compile: bool = False
+
+    @property
+    def env_var(self) -> str:
+        return "DEFERFUSE_" + self.name.upper()
+
+    def parse(self, text: str) -> Any:
+        parser: Callable[[str], Any] = _parse_bool if self.type is bool else self.type
+        try:
+            return parser(text)
+        except ValueError as exc:
+            raise ValueError(f"{self.env_var}={text!r}: {exc}") from None
+
+
+_SETTINGS: dict[str, Setting] = {}
+
+
+def _declare(name: str, type_: type, default: Any, help: str, affects_compile: bool = False) -> None:
+    if name in _SETTINGS:
+        raise RuntimeError(f"setting {name!r} declared twice")
+    _SETTINGS[name] = Setting(name, type_, default, help, affects_compile)
+
+
+_declare("always_compile", bool, False,
+         "Send every flushed op through XLA, with no eager shortcut (tests and conformance runs).")
+_declare("max_pending_nodes", int, 10_000,
+         "Flush when this many ops are pending, so a program that never observes stays bounded.")
+_declare("record_source", bool, True,
+         "Record the user's file:line for each deferred op, for errors and explain().")
+_declare("eager_small_flush", int, 0,
+         "Run a flush eagerly op by op when its graph has at most this many nodes and has not been "
+         "compiled before (0 disables; always_compile overrides).")
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.overrides: list[dict[str, Any]] = []
+
+
+_global_values: dict[str, Any] = {}
+_state = _State()
+
+
+def _initial(setting: Setting) -> Any:
+    text = os.environ.get(setting.env_var)
+    return setting.default if text is None else setting.parse(text)
+
+
+for _s in _SETTINGS.values():
+    _global_values[_s.name] = _initial(_s)
+
+
+def _setting(name: str) -> Setting:
+    try:
+        return _SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"unknown deferfuse setting {name!r}; known: {sorted(_SETTINGS)}") from None
+
+
+def get(name: str) -> Any:
+    for layer in reversed(_state.overrides):
+        if name in layer:
+            return layer[name]
+    _setting(name)
+    return _global_values[name]
+
+
+def _checked(name: str, value: Any) -> Any:
+    setting = _setting(name)
+    if setting.type is int and isinstance(value, bool) or not isinstance(value, setting.type):
+        raise TypeError(f"setting {name!r} takes a {setting.type.__name__}, got {value!r}")
+    return value
+
+
+def set(name: str, value: Any) -> None:  # noqa: A001 - mirrors get()
+    _global_values[name] = _checked(name, value)
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    layer = {name: _checked(name, value) for name, value in values.items()}
+    _state.overrides.append(layer)
+    try:
+        yield
+    finally:
+        _state.overrides.remove(layer)
+
+
+def settings() -> dict[str, Setting]:
+    return dict(_SETTINGS)
+
+
+def compile_key() -> tuple:
+    """The values of every setting that changes compiled code, for the executable cache key."""
+    return tuple(get(s.name) for s in _SETTINGS.values() if s.affects_compile)

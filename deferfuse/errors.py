@@ -1,0 +1,49 @@
+"""Typed errors and the reasons deferfuse gives for flushes and fallbacks."""
+
+from __future__ import annotations
+
+import enum
+
+
+class DeferfuseError(RuntimeError):
+    """Base class of errors raised by deferfuse itself (not by the user's program)."""
+
+
+class ModeError(DeferfuseError, ValueError):
+    """An unknown execution mode name or value."""
+
+
+class DuplicateLoweringError(DeferfuseError):
+    """Two lowerings registered for the same aten overload."""
+
+
+class LoweringError(DeferfuseError):
+    """A lowering failed while building the XLA computation for a deferred op."""
+
+
+class FlushReason(enum.Enum):
+    ITEM = "item"                      # .item(), bool(), int(), float()
+    TOLIST = "tolist"
+    NUMPY = "numpy"                    # .numpy(), np.asarray, __array__
+    REPR = "repr"                      # repr/str/print/format
+    DATA_PTR = "data_ptr"
+    SERIALIZE = "serialize"            # torch.save, pickle, deepcopy
+    DATA_DEPENDENT = "data_dependent"  # an op whose output shape or value depends on data
+    OBSERVING_OP = "observing_op"      # an op returning a Python value (torch.equal, ...)
+    FALLBACK = "fallback"              # inputs of an op that runs eagerly
+    CONTEXT_EXIT = "context_exit"
+    SYNC = "sync"                      # deferfuse.sync()
+    NODE_LIMIT = "node_limit"          # too many pending ops
+    ESCAPE = "escape"                  # a deferred tensor used after its context ended
+
+
+class FallbackReason(enum.Enum):
+    NO_LOWERING = "no_lowering"              # no lowering and no decomposition
+    CHECK_FAILED = "check_failed"            # the lowering's checker declined these inputs
+    NO_META = "no_meta"                      # output metadata could not be inferred
+    DATA_DEPENDENT = "data_dependent"        # output shape depends on values
+    RANDOM = "random"                        # random op whose inputs' values are read
+    OBSERVING = "observing"                  # op returns Python values
+    UNSUPPORTED_ALIASING = "unsupported_aliasing"  # e.g. a dtype view of a storage
+    INPLACE_VIEW = "inplace_view"            # metadata-mutating op on a deferred tensor
+    LOWERING_FAILED = "lowering_failed"      # a lowering raised while tracing

@@ -1,0 +1,147 @@
+"""The lowering registry: aten OpOverload -> a rule that builds JAX code.
+
+A lowering is small immutable data: the rule and an optional checker.  Rules are registered with
+``@lowering(aten.x.y, ...)``; registering an overload twice raises ``DuplicateLoweringError``.
+
+A rule is called while tracing under ``jax.jit`` as ``rule(ctx, *args, **kwargs)``, where the
+args mirror the aten call: tensors become JAX arrays, lists of tensors lists of arrays, and every
+other argument keeps its Python value, except Python floats passed to ``Scalar`` parameters, which
+arrive as 0-d float64 JAX values (they are runtime inputs, so a changing learning rate does not
+recompile).  A rule returns one array, or a tuple for ops with several outputs; results are cast
+to the dtypes torch inferred (``ctx.out``) by the caller, so a rule may return a wider type.
+
+A checker is called at record time as ``check(ctx)`` (``ctx`` without arrays) and returns None
+when the rule handles this call, or a short reason string when it does not; the op then goes to a
+decomposition or to an eager fallback.  Checkers are cached per (op, input metadata).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax.numpy as jnp
+import torch
+
+from ..errors import DuplicateLoweringError
+from ..ir.meta import TensorMeta
+from . import dtypes as _dtypes
+
+Rule = Callable[..., Any]
+Checker = Callable[["LoweringContext"], Optional[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    op: torch._ops.OpOverload
+    rule: Rule
+    check: Optional[Checker] = None
+
+
+LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
+
+
+def lowering(*ops: torch._ops.OpOverload, check: Optional[Checker] = None) -> Callable[[Rule], Rule]:
+    """Register ``rule`` as the lowering of each overload in ``ops``."""
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"lowering() takes aten overloads such as aten.add.Tensor, got {op!r}")
+
+    def register(rule: Rule) -> Rule:
+        for op in ops:
+            if op in LOWERINGS:
+                raise DuplicateLoweringError(
+                    f"{op} already lowered by {LOWERINGS[op].rule.__module__}."
+                    f"{LOWERINGS[op].rule.__qualname__}; remove one of the two registrations")
+            LOWERINGS[op] = Lowering(op, rule, check)
+        return rule
+
+    return register
+
+
+def get_lowering(op: torch._ops.OpOverload) -> Optional[Lowering]:
+    _load_families()
+    return LOWERINGS.get(op)
+
+
+@functools.cache
+def _load_families() -> None:
+    # Importing a family module registers its rules.
+    from . import families  # noqa: F401
+
+
+class RuntimeScalar:
+    """Marks a Python float that is passed to the compiled computation at run time."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"RuntimeScalar({self.value!r})"
+
+
+def _meta_arg(a: Any) -> Any:
+    if isinstance(a, TensorMeta):
+        return a.to_meta_tensor()
+    if isinstance(a, RuntimeScalar):
+        return a.value
+    if isinstance(a, (list, tuple)):
+        return type(a)(_meta_arg(x) for x in a)
+    return a
+
+
+class LoweringContext:
+    """What a rule or checker may know about the call besides the arrays: metadata only."""
+
+    def __init__(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                 out: tuple[TensorMeta, ...]) -> None:
+        self.op = op
+        self.args = args        # TensorMeta for tensors, RuntimeScalar for runtime floats
+        self.kwargs = kwargs
+        self.out = out
+
+    @property
+    def out_dtype(self) -> jnp.dtype:
+        return _dtypes.to_jax(self.out[0].dtype)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.out[0].shape
+
+    def tensor_args(self) -> list[TensorMeta]:
+        found: list[TensorMeta] = []
+        stack = list(self.args) + list(self.kwargs.values())
+        while stack:
+            a = stack.pop()
+            if isinstance(a, TensorMeta):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                stack.extend(a)
+        return found
+
+    @functools.cached_property
+    def _elementwise(self) -> tuple[torch.dtype, torch.dtype]:
+        from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+        operands = [_meta_arg(a) for a in self.args
+                    if isinstance(a, (TensorMeta, RuntimeScalar, bool, int, float, complex))]
+        return elementwise_dtypes(*operands,
+                                  type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """torch's computation dtype for an elementwise op over the positional operands
+        (float32 for float16/bfloat16 inputs, as torch's CPU kernels compute)."""
+        return _dtypes.to_jax(self._elementwise[0])
+
+    @property
+    def promoted_dtype(self) -> jnp.dtype:
+        """torch's result dtype of type promotion over the positional operands."""
+        return _dtypes.to_jax(self._elementwise[1])
+
+    def meta_args(self) -> tuple[tuple, dict]:
+        """The call's arguments as meta tensors and plain Python values."""
+        return (tuple(_meta_arg(a) for a in self.args),
+                {k: _meta_arg(v) for k, v in self.kwargs.items()})

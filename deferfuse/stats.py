@@ -1,0 +1,40 @@
+"""Counters that say what deferfuse did: count, don't guess."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+
+class Stats:
+    __slots__ = ("ops_recorded", "flushes", "executions", "compiles", "cache_hits", "cache_misses",
+                 "fallbacks", "fallback_reasons", "decompositions", "eager_replays",
+                 "dlpack_copies", "meta_cache_hits", "meta_cache_misses")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.ops_recorded = 0
+        self.flushes: collections.Counter[str] = collections.Counter()
+        self.executions = 0
+        self.compiles = 0
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self.fallback_reasons: collections.Counter[str] = collections.Counter()
+        self.decompositions: collections.Counter[str] = collections.Counter()
+        self.eager_replays = 0
+        self.dlpack_copies = 0
+        self.meta_cache_hits = 0
+        self.meta_cache_misses = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.__slots__:
+            value = getattr(self, name)
+            out[name] = dict(value) if isinstance(value, collections.Counter) else value
+        return out
+
+
+STATS = Stats()
