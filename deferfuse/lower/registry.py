@@ -88,7 +88,7 @@ def _meta_arg(a: Any) -> Any:
         return a.to_meta_tensor()
     if isinstance(a, RuntimeScalar):
         return a.value
-    if isinstance(a, (list, tuple)):
+    if type(a) in (list, tuple):
         return type(a)(_meta_arg(x) for x in a)
     return a
 
@@ -118,7 +118,7 @@ class LoweringContext:
             a = stack.pop()
             if isinstance(a, TensorMeta):
                 found.append(a)
-            elif isinstance(a, (list, tuple)):
+            elif type(a) in (list, tuple):
                 stack.extend(a)
         return found
 

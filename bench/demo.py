@@ -1,0 +1,122 @@
+"""What deferfuse does, in under a minute:  python -m bench.demo
+
+Two pieces of ordinary eager PyTorch run twice, side by side in this process: once as usual
+(strict: every aten op is its own kernel, reading and writing memory) and once inside
+``with deferfuse.defer():`` (the ops are recorded, then run as one jitted XLA computation when
+the block ends).  The demo checks that both give the same numbers and prints deferfuse's own
+counters, which show how many ops became how many computations.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.harness import Budget, Candidate, compare, machine_info, to_torch_list
+from bench.workloads import DeferProbe, Spec, gelu_spec, mlp_spec
+
+BUDGET = Budget(seconds=3.0, warmup=2, min_rounds=5, max_rounds=40)
+
+
+class CountAtenOps(TorchDispatchMode):
+    """Counts the aten ops that strict eager PyTorch dispatches: one kernel launch each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_aten_ops(spec: Spec) -> int:
+    inputs = spec.make_inputs()
+    with CountAtenOps() as counter:
+        spec.torch_fn(*inputs)
+    return counter.count
+
+
+def show(spec: Spec, title: str, formula: str, probe: DeferProbe) -> bool:
+    deferfuse = probe.module
+    print(f"\n{title}  [{spec.size}]")
+    print(f"    {formula}")
+    aten_ops = count_aten_ops(spec)
+    inputs = spec.make_inputs()
+
+    # One call first, on its own, so its counters describe exactly one block.
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        deferred_out = spec.torch_fn(*inputs)
+    one_call = deferfuse.stats()
+    strict_out = spec.torch_fn(*inputs)
+    try:
+        torch.testing.assert_close(to_torch_list(deferred_out), to_torch_list(strict_out),
+                                   rtol=spec.rtol, atol=spec.atol)
+        agree = f"yes (torch.testing.assert_close, rtol={spec.rtol:g}, atol={spec.atol:g})"
+    except AssertionError as exc:
+        agree = "NO: " + " ".join(str(exc).split())[:300]
+    del deferred_out, strict_out
+
+    def run_strict():
+        return spec.torch_fn(*inputs)
+
+    def run_defer():
+        with deferfuse.defer():
+            out = spec.torch_fn(*inputs)
+        return out
+
+    deferfuse.reset_stats()
+    timings = compare([Candidate("strict", run_strict), Candidate("defer", run_defer)], BUDGET,
+                      rtol=spec.rtol, atol=spec.atol)
+    after = deferfuse.stats()
+    strict, defer = timings["strict"], timings["defer"]
+
+    flushes = one_call.get("flushes", {}) or {}
+    print(f"    one call:  strict runs {aten_ops} aten ops, one kernel each; defer recorded "
+          f"{one_call.get('ops_recorded')} ops -> {sum(flushes.values())} flush "
+          f"{dict(flushes)} -> {one_call.get('executions')} XLA execution(s), "
+          f"{one_call.get('compiles')} compile(s)")
+    fallbacks = one_call.get("fallbacks", {}) or {}
+    if fallbacks:
+        print(f"               fallbacks to eager: {dict(fallbacks)}")
+    print(f"    results agree: {agree}")
+    if defer.median_ms is None:
+        print(f"    defer {defer.status}: {defer.reason}")
+        return False
+    calls = len(defer.samples_ms) + BUDGET.warmup + 2
+    print(f"    strict  {strict.median_ms:8.2f} ms   (median of {len(strict.samples_ms)}, "
+          f"min {strict.min_ms:.2f})")
+    print(f"    defer   {defer.median_ms:8.2f} ms   (median of {len(defer.samples_ms)}, "
+          f"min {defer.min_ms:.2f}; first call with compile {defer.first_ms:.0f} ms)")
+    print(f"    speed-up {strict.median_ms / defer.median_ms:.2f}x")
+    print(f"    over {calls} timed defer calls: {after.get('executions')} executions, "
+          f"{after.get('compiles')} compile(s), {after.get('cache_hits')} cache hits, "
+          f"{after.get('cache_misses')} cache misses")
+    return agree.startswith("yes")
+
+
+def main() -> int:
+    info = machine_info()
+    print("deferfuse demo: eager PyTorch ops deferred, fused, and run as one XLA computation")
+    print(f"machine: {info['cpu_count']} CPUs, torch {info['torch']} "
+          f"({info['torch_threads']} threads), jax {info.get('jax')}, {info['processor']}")
+    probe = DeferProbe()
+    if probe.module is None:
+        print(f"\ncannot run the demo: {probe.unavailable}")
+        return 1
+    torch.set_grad_enabled(False)
+    ok = show(gelu_spec(22), "GELU (tanh form) as explicit elementwise ops",
+              "y = x*0.5*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3)))", probe)
+    ok &= show(mlp_spec(), "RMSNorm + SwiGLU MLP block",
+               "h = x*rsqrt(mean(x^2)+eps)*w;  y = x + (silu(h@Wg) * (h@Wu)) @ Wd", probe)
+    print("\n(strict and defer run interleaved in one process on the same inputs; "
+          "`python -m bench.run` has the full table with jax.jit, torch.compile and a "
+          "memory-copy floor.)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Side-by-side timing in one process.
+
+Every candidate of a workload runs on the same machine state, interleaved round by round
+(A B C A B C ...), so drift in clock speed or background load hits all of them alike.  Each
+candidate is called once (timed separately: for a compiler that first call is its compile) and
+warmed up before the timed rounds; its first output is compared against the reference's
+(strict PyTorch) so a fast wrong answer is reported as a mismatch, not as a speed-up.
+
+A candidate that cannot be built or that raises keeps its column, with the reason, and the
+others go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REFERENCE = "strict"
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One way of running a workload.
+
+    ``run`` makes one complete call and returns its output; the output must be computed when
+    ``run`` returns (a JAX candidate blocks until ready, a deferred one has left its block).
+    ``unavailable`` says why the candidate could not be built; ``run`` is then None.
+    ``failure_label`` is what the table shows when the first call raises.
+    """
+
+    name: str
+    run: Callable[[], Any] | None
+    check: bool = True
+    unavailable: str | None = None
+    failure_label: str = "failed"
+
+
+@dataclasses.dataclass
+class Timing:
+    name: str
+    status: str  # "ok", "mismatch", "unavailable", "failed"
+    reason: str = ""
+    first_ms: float | None = None
+    samples_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def timed(self) -> bool:
+        return self.status in ("ok", "mismatch") and bool(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float | None:
+        return min(self.samples_ms) if self.timed else None
+
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.samples_ms) if self.timed else None
+
+    def as_dict(self, reference_median: float | None) -> dict[str, Any]:
+        median = self.median_ms
+        ratio = median / reference_median if median is not None and reference_median else None
+        return {"status": self.status, "reason": self.reason, "first_ms": self.first_ms,
+                "min_ms": self.min_ms, "median_ms": median,
+                "median_over_strict": ratio, "samples_ms": self.samples_ms}
+
+
+@dataclasses.dataclass
+class Result:
+    workload: str
+    size: str
+    timings: dict[str, Timing]
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def median(self, name: str) -> float | None:
+        timing = self.timings.get(name)
+        return timing.median_ms if timing is not None else None
+
+    def as_dict(self) -> dict[str, Any]:
+        reference = self.median(REFERENCE)
+        return {"workload": self.workload, "size": self.size,
+                "timings": {name: t.as_dict(reference) for name, t in self.timings.items()},
+                "notes": self.notes}
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """How long to spend on one workload: the timed rounds stop near ``seconds`` of total
+    run time, but never fewer than ``min_rounds`` nor more than ``max_rounds``."""
+
+    seconds: float = 2.0
+    warmup: int = 2
+    min_rounds: int = 5
+    max_rounds: int = 50
+
+
+def short_reason(exc: BaseException) -> str:
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def to_torch_list(output: Any) -> list[torch.Tensor]:
+    """Flatten an output (tensor, JAX array, or nested list/tuple/dict of them) into a list of
+    detached CPU torch tensors, copied so later in-place runs cannot change them."""
+    flat: list[torch.Tensor] = []
+    pending = [output]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            flat.append(item.detach().clone())
+        elif isinstance(item, dict):
+            pending.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            pending.extend(reversed(item))
+        elif hasattr(item, "block_until_ready"):  # a JAX array
+            flat.append(torch.from_numpy(np.array(item)))
+        else:
+            raise TypeError(f"cannot compare an output of type {type(item).__name__}")
+    return flat
+
+
+def compare_outputs(reference: list[torch.Tensor], candidate: list[torch.Tensor],
+                    rtol: float, atol: float) -> str | None:
+    """None when the outputs agree, else a one-line description of the first difference."""
+    if len(reference) != len(candidate):
+        return f"{len(candidate)} outputs, expected {len(reference)}"
+    for index, (want, got) in enumerate(zip(reference, candidate)):
+        try:
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, check_device=False)
+        except AssertionError as exc:
+            detail = " ".join(str(exc).split())
+            return f"output {index}: {detail[:200]}"
+    return None
+
+
+def _timed_call(run: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    output = run()
+    return (time.perf_counter() - start) * 1e3, output
+
+
+def compare(candidates: list[Candidate], budget: Budget, *, rtol: float = 1e-4,
+            atol: float = 1e-5, on_first_call: Callable[[str], None] | None = None,
+            verbose: bool = False) -> dict[str, Timing]:
+    """Time ``candidates`` interleaved; the first one is the reference for output checks.
+
+    ``on_first_call(name)`` runs just before each candidate's first call (used to reset the
+    deferfuse counters, so they describe that candidate's runs only).
+    """
+    timings: dict[str, Timing] = {}
+    live: list[Candidate] = []
+    reference_output: list[torch.Tensor] | None = None
+
+    for candidate in candidates:
+        if candidate.run is None:
+            timings[candidate.name] = Timing(candidate.name, "unavailable",
+                                             candidate.unavailable or "not built")
+            continue
+        timing = Timing(candidate.name, "ok")
+        timings[candidate.name] = timing
+        try:
+            if on_first_call is not None:
+                on_first_call(candidate.name)
+            timing.first_ms, output = _timed_call(candidate.run)
+            # Compare at once: a later in-place run would change what the first one returned.
+            if candidate.check:
+                flat = to_torch_list(output)
+                if reference_output is None:
+                    reference_output = flat
+                else:
+                    mismatch = compare_outputs(reference_output, flat, rtol, atol)
+                    if mismatch is not None:
+                        timing.status, timing.reason = "mismatch", mismatch
+            del output
+            for _ in range(budget.warmup):
+                candidate.run()
+        except Exception as exc:  # a candidate's failure is a result, not a crash
+            timing.status = candidate.failure_label
+            timing.reason = short_reason(exc)
+            if verbose:
+                traceback.print_exc()
+            continue
+        live.append(candidate)
+
+    if not live:
+        return timings
+    # Size the rounds from a single timed pass over every live candidate.
+    round_ms = 0.0
+    for candidate in live:
+        elapsed_ms, _ = _timed_call(candidate.run)
+        round_ms += elapsed_ms
+    rounds = int(budget.seconds * 1e3 / max(round_ms, 1e-3))
+    rounds = max(budget.min_rounds, min(budget.max_rounds, rounds))
+
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for candidate in live:
+                timing = timings[candidate.name]
+                try:
+                    elapsed_ms, _ = _timed_call(candidate.run)
+                except Exception as exc:
+                    timing.status, timing.reason = "failed", short_reason(exc)
+                    continue
+                timing.samples_ms.append(elapsed_ms)
+            live = [c for c in live if timings[c.name].status in ("ok", "mismatch")]
+            gc.collect()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return timings
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "command": " ".join(getattr(sys, "orig_argv", sys.argv)),
+        "cwd": os.getcwd(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+    try:
+        affinity = os.sched_getaffinity(0)
+        info["cpus_usable"] = len(affinity)
+    except AttributeError:
+        pass
+    try:
+        import jax
+        info["jax"] = jax.__version__
+        info["jax_devices"] = [str(device) for device in jax.devices()]
+    except Exception as exc:
+        info["jax"] = "unavailable: " + short_reason(exc)
+    try:
+        import deferfuse
+        info["deferfuse"] = getattr(deferfuse, "__version__", "unknown")
+    except Exception as exc:
+        info["deferfuse"] = "unavailable: " + short_reason(exc)
+    return info
+
+
+def save_results(name: str, results: list[Result], extra: dict[str, Any] | None = None) -> Path:
+    """Write ``bench/results/<name>.json`` (and ``<name>.png`` when matplotlib is present)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine_info(), "results": [r.as_dict() for r in results]}
+    if extra:
+        payload.update(extra)
+    path = RESULTS_DIR / f"{name}.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    temporary.replace(path)
+    plot_results(name, results)
+    return path
+
+
+def plot_results(name: str, results: list[Result]) -> Path | None:
+    """A grouped bar chart of median time relative to strict, per workload and candidate."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib is not installed: no plot for {name}; the JSON has every number)")
+        return None
+    names: list[str] = []
+    for result in results:
+        for candidate in result.timings:
+            if candidate not in names:
+                names.append(candidate)
+    labels = [f"{r.workload}\n{r.size}" for r in results]
+    width = 0.8 / max(len(names), 1)
+    figure, axes = plt.subplots(figsize=(max(8, 1.1 * len(results)), 5))
+    for offset, candidate in enumerate(names):
+        heights = []
+        for result in results:
+            reference = result.median(REFERENCE)
+            median = result.median(candidate)
+            heights.append(median / reference if median is not None and reference else 0.0)
+        positions = [i + offset * width for i in range(len(results))]
+        axes.bar(positions, heights, width, label=candidate)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_yscale("log")
+    axes.set_ylabel("median time / strict median (lower is faster)")
+    axes.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
+    axes.set_xticklabels(labels, fontsize=7)
+    axes.legend()
+    figure.tight_layout()
+    path = RESULTS_DIR / f"{name}.png"
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -1,0 +1,479 @@
+"""The benchmark workloads, each as plain torch ops, and the candidates that run them.
+
+A workload is a ``Spec``: the torch function, a factory for its inputs, the equivalent JAX
+function (our ceiling: the same computation written for XLA directly), and tolerances.
+``candidates(spec)`` turns it into the five columns: strict eager, defer, jax.jit,
+torch.compile (Inductor) and the memory floor (one ``copy_`` of as many bytes as the inputs).
+
+Inputs come from a seeded generator, so every candidate starts from equal values; a workload
+that mutates its inputs (the optimizer step) gets a fresh copy per candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.harness import Budget, Candidate, Result, Timing, compare, short_reason
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+# --------------------------------------------------------------------------------------------
+# The workloads, in torch and in JAX.
+
+def gelu_tanh(x):
+    return x * 0.5 * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x ** 3)))
+
+
+def gelu_tanh_jax(x):
+    import jax.numpy as jnp
+    return x * 0.5 * (1.0 + jnp.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x ** 3)))
+
+
+def layer_norm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
+
+
+def layer_norm_jax(x, weight, bias):
+    import jax.numpy as jnp
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * (1.0 / jnp.sqrt(var + 1e-5)) * weight + bias
+
+
+def softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def softmax_jax(x):
+    import jax
+    return jax.nn.softmax(x, axis=-1)
+
+
+def rmsnorm_swiglu(x, norm_weight, w_gate, w_up, w_down):
+    """A transformer MLP block: x + W_down(silu(W_gate h) * W_up h), h = RMSNorm(x)."""
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+    return x + (F.silu(h @ w_gate) * (h @ w_up)) @ w_down
+
+
+def rmsnorm_swiglu_jax(x, norm_weight, w_gate, w_up, w_down):
+    import jax
+    import jax.numpy as jnp
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * norm_weight
+    return x + (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
+
+
+def causal_attention(q, k, v):
+    """Attention forward with the masked softmax written out op by op."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    seq = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * scale
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights @ v
+
+
+def causal_attention_jax(q, k, v):
+    import jax.numpy as jnp
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    seq = q.shape[-2]
+    scores = (q @ jnp.swapaxes(k, -2, -1)) * scale
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(mask, scores, -jnp.inf)
+    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights @ v
+
+
+ADAMW = dict(lr=1e-3, weight_decay=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=10)
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs):
+    """One AdamW update, in place, over lists of tensors (the shape of a for-loop optimizer)."""
+    lr, wd, b1, b2, eps = (ADAMW[k] for k in ("lr", "weight_decay", "beta1", "beta2", "eps"))
+    bias_correction1 = 1 - b1 ** ADAMW["step"]
+    bias_correction2 = 1 - b2 ** ADAMW["step"]
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        p.mul_(1 - lr * wd)
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        p.addcdiv_(m / bias_correction1, (v / bias_correction2).sqrt().add_(eps), value=-lr)
+    return params, exp_avgs, exp_avg_sqs
+
+
+def adamw_step_jax(params, grads, exp_avgs, exp_avg_sqs):
+    import jax.numpy as jnp
+    lr, wd, b1, b2, eps = (ADAMW[k] for k in ("lr", "weight_decay", "beta1", "beta2", "eps"))
+    bias_correction1 = 1 - b1 ** ADAMW["step"]
+    bias_correction2 = 1 - b2 ** ADAMW["step"]
+    new_params, new_ms, new_vs = [], [], []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        p = p * (1 - lr * wd)
+        m = m * b1 + g * (1 - b1)
+        v = v * b2 + g * g * (1 - b2)
+        p = p - lr * (m / bias_correction1) / (jnp.sqrt(v / bias_correction2) + eps)
+        new_params.append(p)
+        new_ms.append(m)
+        new_vs.append(v)
+    return new_params, new_ms, new_vs
+
+
+def chained_ops(x, count: int = 200):
+    """``count`` tiny dependent ops: what one eager op costs when it does almost no work."""
+    for _ in range(count // 2):
+        x = x + 0.5
+        x = x * 0.5
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# Specs and candidates.
+
+@dataclasses.dataclass
+class Spec:
+    name: str
+    size: str
+    torch_fn: Callable[..., Any]
+    make_inputs: Callable[[], tuple]  # seeded: equal values on every call
+    jax_fn: Callable[..., Any] | None = None
+    mutates_inputs: bool = False
+    rtol: float = 1e-4
+    atol: float = 1e-5
+    columns: tuple[str, ...] = ("strict", "defer", "jax", "compile", "floor")
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _randn(generator, *shape, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator) * scale
+
+
+def _input_bytes(inputs: tuple) -> int:
+    total = 0
+    pending = list(inputs)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return total
+
+
+def _tree_map(fn, tree):
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_map(fn, item) for item in tree)
+    return fn(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def _inputs_for(spec: Spec, shared: tuple) -> tuple:
+    return _tree_map(torch.clone, shared) if spec.mutates_inputs else shared
+
+
+class DeferProbe:
+    """Counts the defer candidate's calls, so its deferfuse.stats() can be read per call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.module = None
+        self.unavailable: str | None = None
+        try:
+            import deferfuse
+            for name in ("defer", "stats", "reset_stats"):
+                if not hasattr(deferfuse, name):
+                    raise AttributeError(f"deferfuse has no attribute {name!r} yet")
+            self.module = deferfuse
+        except Exception as exc:
+            self.unavailable = "deferfuse not usable: " + short_reason(exc)
+
+    def reset(self) -> None:
+        self.calls = 0
+        if self.module is not None:
+            self.module.reset_stats()
+
+    def per_call(self) -> dict[str, Any]:
+        if self.module is None or self.calls == 0:
+            return {}
+        stats = self.module.stats()
+        flushes = stats.get("flushes", {}) or {}
+        return {
+            "calls": self.calls,
+            "ops_recorded_per_call": stats.get("ops_recorded", 0) / self.calls,
+            "executions_per_call": stats.get("executions", 0) / self.calls,
+            "flushes_per_call": sum(flushes.values()) / self.calls,
+            "flush_reasons": dict(flushes),
+            "compiles": stats.get("compiles"),
+            "cache_hits": stats.get("cache_hits"),
+            "cache_misses": stats.get("cache_misses"),
+            "fallbacks": dict(stats.get("fallbacks", {}) or {}),
+        }
+
+
+def strict_candidate(spec: Spec, shared: tuple) -> Candidate:
+    inputs = _inputs_for(spec, shared)
+    return Candidate("strict", lambda: spec.torch_fn(*inputs))
+
+
+def defer_candidate(spec: Spec, shared: tuple, probe: DeferProbe) -> Candidate:
+    if probe.module is None:
+        return Candidate("defer", None, unavailable=probe.unavailable)
+    deferfuse = probe.module
+    inputs = _inputs_for(spec, shared)
+
+    def run():
+        probe.calls += 1
+        with deferfuse.defer():
+            out = spec.torch_fn(*inputs)
+        return out
+
+    return Candidate("defer", run)
+
+
+def jax_candidate(spec: Spec, shared: tuple) -> Candidate:
+    if spec.jax_fn is None:
+        return Candidate("jax", None, unavailable="no JAX version of this workload")
+    try:
+        import jax
+        import jax.numpy as jnp
+    except Exception as exc:
+        return Candidate("jax", None, unavailable=short_reason(exc))
+    # Converted once, outside the timed region.
+    jax_inputs = _tree_map(lambda t: jnp.asarray(t.numpy()), shared)
+    if not spec.mutates_inputs:
+        jitted = jax.jit(spec.jax_fn)
+        return Candidate("jax", lambda: jax.block_until_ready(jitted(*jax_inputs)))
+
+    # An in-place torch workload: its JAX twin returns the new (params, exp_avgs, exp_avg_sqs),
+    # which are donated back to the next call, so XLA may update them in place.
+    step = jax.jit(lambda state, grads: spec.jax_fn(state[0], grads, state[1], state[2]),
+                   donate_argnums=0)
+    grads = jax_inputs[1]
+    # Own copies: a donated buffer must not alias memory that torch still reads.
+    state = {"value": [[jnp.array(a, copy=True) for a in group]
+                       for group in (jax_inputs[0], *jax_inputs[2:])]}
+
+    def run():
+        new = jax.block_until_ready(step(state["value"], grads))
+        state["value"] = [list(group) for group in new]
+        return new
+
+    return Candidate("jax", run)
+
+
+def compile_candidate(spec: Spec, shared: tuple) -> Candidate:
+    try:
+        import torch._dynamo
+        torch._dynamo.reset()
+        compiled = torch.compile(spec.torch_fn, dynamic=False)
+    except Exception as exc:
+        return Candidate("compile", None, unavailable=short_reason(exc))
+    inputs = _inputs_for(spec, shared)
+    return Candidate("compile", lambda: compiled(*inputs), failure_label="unavailable")
+
+
+def floor_candidate(spec: Spec, shared: tuple) -> Candidate:
+    nbytes = _input_bytes(shared)
+    source = torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # touch every page
+    target = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    return Candidate("floor", lambda: target.copy_(source), check=False)
+
+
+def candidates(spec: Spec, probe: DeferProbe) -> list[Candidate]:
+    shared = spec.make_inputs()
+    builders = {
+        "strict": lambda: strict_candidate(spec, shared),
+        "defer": lambda: defer_candidate(spec, shared, probe),
+        "jax": lambda: jax_candidate(spec, shared),
+        "compile": lambda: compile_candidate(spec, shared),
+        "floor": lambda: floor_candidate(spec, shared),
+    }
+    return [builders[column]() for column in spec.columns]
+
+
+def run_spec(spec: Spec, budget: Budget, probe: DeferProbe, verbose: bool = False) -> Result:
+    def on_first_call(name: str) -> None:
+        if name == "defer":
+            probe.reset()
+
+    timings = compare(candidates(spec, probe), budget, rtol=spec.rtol, atol=spec.atol,
+                      on_first_call=on_first_call, verbose=verbose)
+    result = Result(spec.name, spec.size, timings)
+    first_calls = {name: t.first_ms for name, t in timings.items() if t.first_ms is not None}
+    result.notes["first_call_ms"] = first_calls
+    if "defer" in timings and probe.calls:
+        result.notes["defer_stats"] = probe.per_call()
+    if spec.name == "per-op":
+        ops = 200
+        result.notes["us_per_op"] = {name: t.median_ms * 1e3 / ops
+                                     for name, t in timings.items() if t.median_ms is not None}
+    try:
+        import torch._dynamo
+        torch._dynamo.reset()
+    except Exception:
+        pass
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# The catalogue.
+
+def gelu_spec(log2_size: int) -> Spec:
+    def make_inputs():
+        return (_randn(_generator(), 1 << log2_size),)
+    return Spec("gelu-tanh", f"2^{log2_size}", gelu_tanh, make_inputs, gelu_tanh_jax)
+
+
+def layer_norm_spec() -> Spec:
+    def make_inputs():
+        g = _generator()
+        return (_randn(g, 4096, 1024), 1 + _randn(g, 1024, scale=0.1), _randn(g, 1024, scale=0.1))
+    return Spec("layernorm", "4096x1024", layer_norm, make_inputs, layer_norm_jax,
+                rtol=1e-4, atol=1e-4)
+
+
+def softmax_spec() -> Spec:
+    def make_inputs():
+        return (_randn(_generator(), 4096, 1024),)
+    return Spec("softmax", "4096x1024", softmax, make_inputs, softmax_jax, atol=1e-6)
+
+
+def mlp_spec() -> Spec:
+    batch, d, hidden = 512, 512, 1376
+
+    def make_inputs():
+        g = _generator()
+        return (_randn(g, batch, d), 1 + _randn(g, d, scale=0.1),
+                _randn(g, d, hidden, scale=d ** -0.5), _randn(g, d, hidden, scale=d ** -0.5),
+                _randn(g, hidden, d, scale=hidden ** -0.5))
+    return Spec("rmsnorm-swiglu", f"{batch}x{d}->{hidden}", rmsnorm_swiglu, make_inputs,
+                rmsnorm_swiglu_jax, rtol=1e-3, atol=1e-3)
+
+
+def attention_spec() -> Spec:
+    batch, heads, seq, head_dim = 4, 8, 256, 64
+
+    def make_inputs():
+        g = _generator()
+        return tuple(_randn(g, batch, heads, seq, head_dim) for _ in range(3))
+    return Spec("attention", f"b{batch} h{heads} s{seq} d{head_dim}", causal_attention,
+                make_inputs, causal_attention_jax, rtol=1e-3, atol=1e-4)
+
+
+def adamw_spec(count: int = 50) -> Spec:
+    shape = (64, 1024)
+
+    def make_inputs():
+        g = _generator()
+        params = [_randn(g, *shape) for _ in range(count)]
+        grads = [_randn(g, *shape, scale=1e-2) for _ in range(count)]
+        exp_avgs = [_randn(g, *shape, scale=1e-3) for _ in range(count)]
+        exp_avg_sqs = [_randn(g, *shape, scale=1e-3).abs() for _ in range(count)]
+        return (params, grads, exp_avgs, exp_avg_sqs)
+    return Spec("adamw", f"{count}x64x1024", adamw_step, make_inputs, adamw_step_jax,
+                mutates_inputs=True, rtol=1e-4, atol=1e-6)
+
+
+def per_op_spec() -> Spec:
+    def make_inputs():
+        return (_randn(_generator(), 64, 64),)
+    return Spec("per-op", "200 ops 64x64", chained_ops, make_inputs,
+                columns=("strict", "defer"))
+
+
+GELU_SIZES_FULL = (10, 14, 18, 20, 22, 24)
+GELU_SIZES_QUICK = (14, 22)
+
+
+def all_specs(quick: bool) -> list[Spec]:
+    sizes = GELU_SIZES_QUICK if quick else GELU_SIZES_FULL
+    return ([gelu_spec(s) for s in sizes]
+            + [layer_norm_spec(), softmax_spec(), mlp_spec(), attention_spec(), adamw_spec(),
+               per_op_spec()])
+
+
+# --------------------------------------------------------------------------------------------
+# Cold start: a fresh interpreter, imports, one GELU on 2^20 floats, one printed number.
+
+_COLD_SCRIPT = """
+import json, math, time
+start = time.perf_counter()
+import torch
+{import_line}
+imported = time.perf_counter()
+x = torch.linspace(-3.0, 3.0, 1 << 20)
+{block_line}
+    y = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+total = float(y.sum())
+done = time.perf_counter()
+print(json.dumps({{"result": total, "import_ms": (imported - start) * 1e3,
+                  "compute_ms": (done - imported) * 1e3}}))
+"""
+
+
+def _cold_script(defer: bool) -> str:
+    if defer:
+        return _COLD_SCRIPT.format(import_line="import deferfuse",
+                                   block_line="with deferfuse.defer():")
+    return _COLD_SCRIPT.format(import_line="", block_line="if True:")
+
+
+def _cold_run(defer: bool) -> tuple[float, dict[str, Any]]:
+    start = time.perf_counter()
+    completed = subprocess.run([sys.executable, "-c", _cold_script(defer)], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall_ms = (time.perf_counter() - start) * 1e3
+    if completed.returncode != 0:
+        lines = completed.stderr.strip().splitlines() or ["(no stderr)"]
+        raise RuntimeError(f"exit {completed.returncode}: {lines[-1][:200]}")
+    return wall_ms, json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def run_cold_start(repeats: int, probe: DeferProbe) -> Result:
+    """Time to first result in a fresh process, strict vs defer, interleaved."""
+    timings = {"strict": Timing("strict", "ok"), "defer": Timing("defer", "ok")}
+    if probe.module is None:
+        timings["defer"] = Timing("defer", "unavailable", probe.unavailable or "")
+    details: dict[str, list] = {"strict": [], "defer": []}
+    for _ in range(repeats):
+        for name, timing in timings.items():
+            if timing.status != "ok":
+                continue
+            try:
+                wall_ms, report = _cold_run(defer=(name == "defer"))
+            except Exception as exc:
+                timing.status, timing.reason = "failed", short_reason(exc)
+                continue
+            timing.samples_ms.append(wall_ms)
+            details[name].append(report)
+    strict_results = {d["result"] for d in details["strict"]}
+    defer_results = {d["result"] for d in details["defer"]}
+    if strict_results and defer_results:
+        want, got = next(iter(strict_results)), next(iter(defer_results))
+        if not math.isclose(want, got, rel_tol=1e-4, abs_tol=1e-2):
+            timings["defer"].status = "mismatch"
+            timings["defer"].reason = f"sum {got} vs strict {want}"
+    result = Result("cold-start", "gelu 2^20, new process", timings)
+    for name, reports in details.items():
+        if reports:
+            result.notes[f"{name}_import_ms"] = min(r["import_ms"] for r in reports)
+            result.notes[f"{name}_compute_ms"] = min(r["compute_ms"] for r in reports)
+    return result

@@ -1,0 +1,62 @@
+"""deferfuse: eager PyTorch, deferred and fused through XLA, with strict-mode semantics.
+
+    import deferfuse
+    with deferfuse.defer():
+        y = model(x)          # recorded, not run
+    print(y)                  # computed as fused XLA computations
+
+or, with no code change: ``TORCHTPU_MODE=defer python script.py`` (reads the variable at import)
+or ``python -m deferfuse --mode defer script.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import config
+from .capture.tensor import DeferredTensor, is_materialized
+from .errors import DeferfuseError, FallbackReason, FlushReason, ModeError
+from .modes import EagerMode, debug, defer, get_mode, mode, set_mode, strict
+from .stats import STATS as _STATS
+
+__all__ = [
+    "EagerMode", "mode", "defer", "debug", "strict", "set_mode", "get_mode", "sync",
+    "is_materialized", "stats", "reset_stats", "config", "DeferredTensor", "DeferfuseError",
+    "ModeError", "FlushReason", "FallbackReason",
+]
+
+
+def sync(*tensors: torch.Tensor) -> None:
+    """Compute now: the given tensors, or with no arguments everything pending on this thread."""
+    from .capture.recorder import materialize_states, no_dispatch
+    from .modes import active_recorder
+    if tensors:
+        states = [t._storage for t in tensors if isinstance(t, DeferredTensor)]
+        recorder = active_recorder()
+        with no_dispatch():
+            materialize_states(states, FlushReason.SYNC, recorder)
+        return
+    recorder = active_recorder()
+    if recorder is not None:
+        with no_dispatch():
+            recorder.flush_all(FlushReason.SYNC)
+
+
+def stats() -> dict[str, Any]:
+    """What deferfuse did since the last reset_stats(): ops recorded, flushes by reason,
+    executions, compiles, cache hits/misses, fallbacks by op (and by reason), ..."""
+    return _STATS.snapshot()
+
+
+def reset_stats() -> None:
+    _STATS.reset()
+
+
+def _apply_environment() -> None:
+    from .modes import apply_environment
+    apply_environment()
+
+
+_apply_environment()

@@ -1,0 +1,109 @@
+"""What an aten op does, read from its schema and tags (never from lists of names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Optional
+
+import torch
+
+aten = torch.ops.aten
+
+
+class OpKind(enum.Enum):
+    PURE = "pure"                  # fresh tensor outputs, no aliasing, no mutation
+    VIEW = "view"                  # outputs alias an input's storage
+    MUTATING = "mutating"          # in-place or out=: writes some tensor arguments
+    INPLACE_VIEW = "inplace_view"  # changes a tensor's metadata in place (t_, unsqueeze_, ...)
+    RANDOM = "random"              # consumes the torch RNG
+    DYNAMIC = "dynamic"            # output shape depends on input values
+    OBSERVING = "observing"        # returns Python values computed from tensor data
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    kind: OpKind
+    written: tuple[str, ...]        # names of arguments the op writes
+    scalar_args: frozenset[str]     # names of `Scalar`-typed arguments (runtime floats)
+    arg_names: tuple[str, ...]      # positional order
+    pointwise: bool
+    random: bool
+    dynamic: bool
+    is_factory: bool                # takes no tensor arguments
+
+
+def _is_tensor_type(t: torch._C.JitType) -> bool:
+    text = str(t)
+    return "Tensor" in text
+
+
+def _is_number_type(t: torch._C.JitType) -> bool:
+    text = str(t)
+    return text in ("number", "Optional[number]", "List[number]")
+
+
+@functools.cache
+def op_info(op: torch._ops.OpOverload) -> OpInfo:
+    schema = op._schema
+    tags = set(op.tags)
+    written = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+    scalar_args = frozenset(a.name for a in schema.arguments if _is_number_type(a.type))
+    returns_tensors = all(_is_tensor_type(r.type) for r in schema.returns)
+    is_factory = not any(_is_tensor_type(a.type) for a in schema.arguments)
+    random = torch.Tag.nondeterministic_seeded in tags
+    dynamic = torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+
+    if torch.Tag.inplace_view in tags:
+        kind = OpKind.INPLACE_VIEW
+    elif random:
+        kind = OpKind.RANDOM
+    elif not returns_tensors or not schema.returns and not written:
+        kind = OpKind.OBSERVING
+    elif written:
+        kind = OpKind.MUTATING
+    elif any(r.alias_info is not None for r in schema.returns):
+        kind = OpKind.VIEW
+    elif dynamic:
+        kind = OpKind.DYNAMIC
+    else:
+        kind = OpKind.PURE
+    return OpInfo(kind, written, scalar_args, tuple(a.name for a in schema.arguments),
+                  torch.Tag.pointwise in tags, random, dynamic, is_factory)
+
+
+def _argument_signature(op: torch._ops.OpOverload, skip: frozenset[str]) -> tuple:
+    return tuple((a.name, str(a.type).replace("Optional[", "").rstrip("]"))
+                 for a in op._schema.arguments if a.name not in skip)
+
+
+@functools.cache
+def functional_variant(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverload]:
+    """The out-of-place overload computing what a mutating op writes: add_.Tensor -> add.Tensor,
+    add.out -> add.Tensor, copy_ -> copy.  None if torch has no such overload."""
+    info = op_info(op)
+    name = op._schema.name.split("::")[-1]
+    if torch.Tag.inplace in op.tags or (name.endswith("_") and not name.startswith("_")):
+        base_name = name[:-1]
+        skip: frozenset[str] = frozenset()
+        self_name = op._schema.arguments[0].name
+        wanted = tuple((n, t) for n, t in _argument_signature(op, skip))
+        # in-place: same arguments, self no longer written
+        del self_name
+    else:
+        base_name = name
+        skip = frozenset(info.written)
+        wanted = _argument_signature(op, skip)
+    packet = getattr(aten, base_name, None)
+    if packet is None:
+        return None
+    for overload_name in packet.overloads():
+        candidate = getattr(packet, overload_name)
+        if candidate is op:
+            continue
+        if op_info(candidate).written:
+            continue
+        if _argument_signature(candidate, frozenset()) == wanted:
+            return candidate
+    return None

@@ -1,0 +1,98 @@
+"""Output metadata of an aten call, from meta tensors, cached by (op, input metadata).
+
+The cache key holds the op, each tensor's ``TensorMeta`` and every static argument; a Python float
+passed to a ``Scalar`` parameter enters the key by type only, since it is a runtime input of the
+compiled computation and cannot change an output's shape or dtype.  Running the op on meta tensors
+also raises torch's own shape and dtype errors, at record time, on the user's line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from ..ir.meta import TensorMeta
+from ..lower.registry import Lowering, LoweringContext, RuntimeScalar, get_lowering
+from ..stats import STATS
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaEntry:
+    outs: tuple[Optional[TensorMeta], ...]   # None for an output that is not a tensor
+    lowering: Optional[Lowering]              # None: no usable lowering
+    reason: Optional[str]                     # why there is none
+    ctx: LoweringContext
+
+
+_CACHE: dict[Any, MetaEntry] = {}
+
+
+def _to_meta(a: Any) -> Any:
+    if isinstance(a, TensorMeta):
+        base = torch.empty((a.storage_numel,), dtype=a.dtype, device="meta")
+        return base.as_strided(a.shape, a.stride, a.offset)
+    if isinstance(a, RuntimeScalar):
+        return a.value
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(x) for x in a)
+    if isinstance(a, torch.device):
+        return torch.device("meta")
+    return a
+
+
+def _first_device(args: tuple, kwargs: dict) -> torch.device:
+    stack = list(args) + list(kwargs.values())
+    while stack:
+        a = stack.pop(0)
+        if isinstance(a, TensorMeta):
+            return a.device
+        if isinstance(a, (list, tuple)):
+            stack[:0] = list(a)
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    return torch.get_default_device()
+
+
+def _meta_of_output(out: Any, device: torch.device) -> Optional[TensorMeta]:
+    if isinstance(out, torch.Tensor):
+        return TensorMeta.of(out, device)
+    return None
+
+
+def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> MetaEntry:
+    """Metadata of ``op(*args, **kwargs)``, where tensors are given as TensorMeta.
+
+    Raises what torch raises for invalid calls (shape mismatch, bad dtype, ...).
+    """
+    entry = _CACHE.get(key)
+    if entry is not None:
+        STATS.meta_cache_hits += 1
+        return entry
+    STATS.meta_cache_misses += 1
+    device = _first_device(args, kwargs)
+    meta_args = tuple(_to_meta(a) for a in args)
+    meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+    if "device" in kwargs and kwargs["device"] is not None:
+        meta_kwargs["device"] = torch.device("meta")
+    result = op(*meta_args, **meta_kwargs)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    outs = tuple(_meta_of_output(r, device) for r in results)
+    ctx = LoweringContext(op, args, kwargs, tuple(o for o in outs if o is not None))
+    lowering = get_lowering(op)
+    reason: Optional[str] = None
+    if lowering is None:
+        reason = "no lowering"
+    elif lowering.check is not None:
+        reason = lowering.check(ctx)
+        if reason is not None:
+            lowering = None
+    entry = MetaEntry(outs, lowering, reason, ctx)
+    _CACHE[key] = entry
+    return entry
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

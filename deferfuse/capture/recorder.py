@@ -1,0 +1,505 @@
+"""The interceptor: records aten ops into the pending graph and flushes it when observed.
+
+``DeferMode`` is the TorchDispatchMode; ``Recorder`` holds the state of one defer context (the
+storages it touched, what is pending) and does the work.  Each op is classified from its schema
+(``classify.op_info``) and handled by kind:
+
+  PURE       metadata from the meta cache; a node is recorded, DeferredTensors returned
+  VIEW       no node: the output shares the input's storage and reads it lazily
+  MUTATING   the functional variant is recorded, then written into the target's storage
+  RANDOM     drawn eagerly from torch's generator (same stream as strict), fed in as a graph input
+  DYNAMIC    its inputs are flushed and it runs eagerly (the output shape depends on data)
+  OBSERVING  likewise; it returns Python values
+Ops with no lowering use a torch._decomp decomposition when one exists, and otherwise run
+eagerly after flushing their inputs (counted in stats().fallbacks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from .. import config
+from ..errors import FallbackReason, FlushReason
+from ..exec import runtime
+from ..ir import graph
+from ..ir.graph import Node, StorageState, Value
+from ..ir.meta import TensorMeta
+from ..lower.registry import RuntimeScalar
+from ..stats import STATS
+from . import meta as meta_
+from .classify import OpKind, functional_variant, op_info
+from .tensor import DeferredTensor
+
+aten = torch.ops.aten
+
+# Storages with real memory, by data pointer, so every tensor over the same memory (a user
+# tensor, its views, a materialized deferred tensor) shares one StorageState.
+_STATES_BY_PTR: "weakref.WeakValueDictionary[int, StorageState]" = weakref.WeakValueDictionary()
+
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["deferfuse"]))
+
+
+def no_dispatch():
+    """Run torch ops on real tensors without any dispatch mode intercepting them."""
+    return _disable_current_modes()
+
+
+def user_source() -> Optional[str]:
+    """file:line of the innermost frame outside deferfuse, torch and jax."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_INTERNAL_DIRS) and "/jax/" not in filename and not filename.startswith("<frozen"):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _flat_meta(state: StorageState) -> TensorMeta:
+    return TensorMeta((state.numel,), (1,), 0, state.dtype, state.device, state.numel)
+
+
+def _decomposition(op: torch._ops.OpOverload):
+    from torch._decomp import decomposition_table
+    return decomposition_table.get(op)
+
+
+class Recorder:
+    """The state of one defer context."""
+
+    def __init__(self) -> None:
+        self.mode: Optional[DeferMode] = None
+        self.pending: "weakref.WeakSet[StorageState]" = weakref.WeakSet()
+        self.real_states: set[StorageState] = set()   # user storages touched (kept until exit)
+        self.pending_nodes = 0
+        self.record_source = config.get("record_source")
+        self.max_pending = config.get("max_pending_nodes")
+        self.active = True
+
+    # -- graph building ------------------------------------------------------------------------
+    def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
+              lowering: Any = None) -> Node:
+        self.pending_nodes += 1
+        source = user_source() if self.record_source else None
+        return Node(op, args, kwargs, outs, key, source, lowering)
+
+    def state_of_real(self, t: torch.Tensor) -> StorageState:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        state = _STATES_BY_PTR.get(ptr) if ptr else None
+        if state is None or state.dtype != t.dtype or state.numel * t.element_size() != storage.nbytes():
+            numel = storage.nbytes() // t.element_size()
+            with torch.no_grad():
+                buffer = torch.as_strided(t.detach(), (numel,), (1,), 0)
+            state = StorageState(numel, t.dtype, t.device, buffer=buffer)
+            if ptr:
+                _STATES_BY_PTR[ptr] = state
+        self.real_states.add(state)
+        return state
+
+    def flat(self, state: StorageState) -> Value:
+        contents = state.contents
+        if contents is None:
+            if state.leaf is None:
+                state.leaf = graph.leaf(state.buffer)
+            return state.leaf
+        if contents[0] == "flat":
+            return contents[1]
+        self.pending_nodes += 1
+        return _flatten_detached(state)
+
+    def read(self, t: torch.Tensor) -> tuple[Value, TensorMeta]:
+        if isinstance(t, DeferredTensor):
+            state, m = t._storage, t._meta
+        else:
+            state, m = self.state_of_real(t), TensorMeta.of(t)
+        value = state.reads.get(m)
+        if value is None:
+            flat = self.flat(state)
+            value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m)).outputs[0]
+            state.reads[m] = value
+        return value, m
+
+    def write(self, target: torch.Tensor, value: Value) -> None:
+        if isinstance(target, DeferredTensor):
+            state, m = target._storage, target._meta
+        else:
+            state, m = self.state_of_real(target), TensorMeta.of(target)
+        if value.meta.dtype != m.dtype:
+            cast_meta = value.meta._replace(dtype=m.dtype)
+            value = self._node(graph.CAST, (value, m.dtype), {}, (cast_meta,), (graph.CAST, m.dtype)).outputs[0]
+        if m.covers_storage:
+            state.contents = ("root", value, m)
+        else:
+            flat = self.flat(state)
+            new = self._node(graph.WRITE_VIEW, (flat, value, m), {}, (_flat_meta(state),), (graph.WRITE_VIEW, m))
+            state.contents = ("flat", new.outputs[0])
+        state.changed()
+        state.reads[m] = value
+        self.pending.add(state)
+
+    def fresh(self, m: TensorMeta, value: Value) -> DeferredTensor:
+        state = StorageState(m.storage_numel, m.dtype, m.device, contents=("root", value, m))
+        state.reads[m] = value
+        self.pending.add(state)
+        return DeferredTensor(m, state, self)
+
+    # -- argument conversion -------------------------------------------------------------------
+    def convert(self, op_scalar_args: frozenset, names: tuple, args: tuple, kwargs: dict):
+        """(node args, node kwargs, meta args, meta kwargs, key parts) of a call."""
+        vargs, margs, kargs = [], [], []
+        for i, a in enumerate(args):
+            name = names[i] if i < len(names) else None
+            v, m, k = self._convert_one(a, name in op_scalar_args)
+            vargs.append(v); margs.append(m); kargs.append(k)
+        vkw, mkw, kkw = {}, {}, []
+        for name, a in kwargs.items():
+            v, m, k = self._convert_one(a, name in op_scalar_args)
+            vkw[name] = v; mkw[name] = m; kkw.append((name, k))
+        return tuple(vargs), vkw, tuple(margs), mkw, (tuple(kargs), tuple(kkw))
+
+    def _convert_one(self, a: Any, is_scalar_arg: bool):
+        if isinstance(a, torch.Tensor):
+            v, m = self.read(a)
+            return v, m, m
+        if type(a) is float and is_scalar_arg:
+            r = RuntimeScalar(a)
+            return r, r, float
+        if isinstance(a, (list, tuple)):
+            parts = [self._convert_one(x, is_scalar_arg) for x in a]
+            return (type(a)(p[0] for p in parts), type(a)(p[1] for p in parts), tuple(p[2] for p in parts))
+        if isinstance(a, float):
+            # key floats by their bits: -0.0 and nan must not collide
+            return a, a, (float, a.hex())
+        return a, a, a
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        STATS.ops_recorded += 1
+        info = op_info(func)
+        kind = info.kind
+        if kind is OpKind.PURE:
+            result = self.record(func, info, args, kwargs)
+        elif kind is OpKind.VIEW:
+            result = self.record_view(func, info, args, kwargs)
+        elif kind is OpKind.MUTATING:
+            result = self.record_mutation(func, info, args, kwargs)
+        elif kind is OpKind.RANDOM:
+            result = self.run_random(func, info, args, kwargs)
+        elif kind is OpKind.DYNAMIC:
+            result = self.record_dynamic(func, info, args, kwargs)
+        elif kind is OpKind.OBSERVING:
+            result = self.run_observing(func, info, args, kwargs)
+        else:  # INPLACE_VIEW
+            result = self.run_inplace_view(func, info, args, kwargs)
+        if self.pending_nodes > self.max_pending:
+            self.flush_all(FlushReason.NODE_LIMIT)
+        return result
+
+    def _entry(self, func, info, args, kwargs):
+        vargs, vkw, margs, mkw, key = self.convert(info.scalar_args, info.arg_names, args, kwargs)
+        entry = meta_.infer(func, (func, key), margs, mkw)
+        return vargs, vkw, entry, (func, key)
+
+    def record(self, func, info, args, kwargs) -> Any:
+        vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+        if entry.lowering is None:
+            return self.without_lowering(func, info, args, kwargs, entry)
+        outs = tuple(o for o in entry.outs if o is not None)
+        node = self._node(func, vargs, vkw, outs, key, entry)
+        fresh = [self.fresh(v.meta, v) for v in node.outputs]
+        return _restructure_like(func, fresh)
+
+    def without_lowering(self, func, info, args, kwargs, entry) -> Any:
+        decomposition = _decomposition(func)
+        if decomposition is not None:
+            STATS.decompositions[str(func)] += 1
+            with self.mode:
+                return decomposition(*args, **kwargs)
+        reason = FallbackReason.NO_LOWERING if entry is None or entry.reason == "no lowering" else FallbackReason.CHECK_FAILED
+        return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, reason)
+
+    def record_view(self, func, info, args, kwargs) -> Any:
+        vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+        base = args[0]
+        state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
+        outs = [o for o in entry.outs if o is not None]
+        if any(o.dtype != state.dtype for o in outs):
+            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
+        views = [DeferredTensor(o, state, self) for o in outs]
+        return _restructure_like(func, views)
+
+    def record_mutation(self, func, info, args, kwargs) -> Any:
+        # Validate the call itself (torch's broadcasting and casting errors) on meta tensors.
+        vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+        functional = functional_variant(func)
+        targets = _written_arguments(func, info, args, kwargs)
+        if functional is None or any(
+                not isinstance(t, torch.Tensor) for t in targets):
+            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.NO_LOWERING)
+        is_out = bool(set(info.written) & set(kwargs)) and "self" not in info.written
+        if is_out:
+            f_kwargs = {k: v for k, v in kwargs.items() if k not in info.written}
+            f_args = args
+        else:
+            f_args, f_kwargs = args, kwargs
+        if is_out and any(tuple(t.shape) != tuple(o.shape) for t, o in zip(targets, entry.outs) if o is not None):
+            # out= that resizes its output: let torch do it
+            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
+        results = self.dispatch_functional(functional, f_args, f_kwargs)
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        for target, result in zip(targets, results):
+            value, _ = self.read(result)
+            self.write(target, value)
+        if is_out:
+            return targets[0] if len(targets) == 1 else tuple(targets)
+        return args[0]
+
+    def dispatch_functional(self, func, args, kwargs):
+        STATS.ops_recorded -= 1  # counted once, as the mutating op
+        return self.dispatch(func, args, kwargs)
+
+    def record_dynamic(self, func, info, args, kwargs) -> Any:
+        try:
+            vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+        except (NotImplementedError, RuntimeError, torch._subclasses.fake_tensor.DynamicOutputShapeException):
+            return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT, None)
+        if entry.lowering is None:
+            return self.without_lowering(func, info, args, kwargs, entry)
+        outs = tuple(o for o in entry.outs if o is not None)
+        node = self._node(func, vargs, vkw, outs, key, entry)
+        return _restructure_like(func, [self.fresh(v.meta, v) for v in node.outputs])
+
+    def run_observing(self, func, info, args, kwargs) -> Any:
+        reason = FlushReason.ITEM if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) \
+            else FlushReason.OBSERVING_OP
+        return self.run_eager(func, info, args, kwargs, reason, None)
+
+    def run_inplace_view(self, func, info, args, kwargs) -> Any:
+        if any(isinstance(a, DeferredTensor) for a in _tensors_in(args, kwargs)):
+            raise NotImplementedError(
+                f"{func} changes the shape or strides of a deferred tensor in place, which deferfuse "
+                f"does not support yet; use the out-of-place form (for example x = x.unsqueeze(0) "
+                f"instead of x.unsqueeze_(0)) or run this code under deferfuse.strict()")
+        return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.INPLACE_VIEW)
+
+    def run_random(self, func, info, args, kwargs) -> Any:
+        if info.is_factory:
+            return self.run_eager(func, info, args, kwargs, None, None)
+        name = func._schema.name.split("::")[-1]
+        if info.written == ("self",):
+            target = args[0]
+            placeholder = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype, device=target.device)
+            rest_args, rest_kwargs = self.realize((args[1:], kwargs), FlushReason.FALLBACK)
+            out = func(placeholder, *rest_args, **rest_kwargs)
+            self.write(target, graph.leaf(out.contiguous()))
+            return target
+        if name.endswith("_like"):
+            placeholders = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                            if isinstance(a, torch.Tensor) else a for a in args]
+            return func(*placeholders, **kwargs)
+        return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.RANDOM)
+
+    # -- eager execution -----------------------------------------------------------------------
+    def run_eager(self, func, info, args, kwargs, flush_reason: Optional[FlushReason],
+                  fallback_reason: Optional[FallbackReason]) -> Any:
+        if fallback_reason is not None:
+            STATS.fallbacks[str(func)] += 1
+            STATS.fallback_reasons[fallback_reason.value] += 1
+        written = _written_arguments(func, info, args, kwargs) if info.written else []
+        if written:
+            # pending ops that read what this op overwrites must see the old data
+            self.flush_all(flush_reason or FlushReason.FALLBACK)
+        real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK)
+        out = func(*real_args, **real_kwargs)
+        for t in written:
+            state = t._storage if isinstance(t, DeferredTensor) else self.state_of_real(t)
+            state.changed()
+        if written:
+            real_written = _written_arguments(func, info, real_args, real_kwargs)
+            return _map_returned(out, real_written, written)
+        return out
+
+    def realize(self, tree: Any, reason: FlushReason) -> Any:
+        """``tree`` with every DeferredTensor replaced by its data, pending storages written back."""
+        tensors = _tensors_in(tree)
+        states = []
+        for t in tensors:
+            if isinstance(t, DeferredTensor):
+                states.append(t._storage)
+            else:
+                state = _STATES_BY_PTR.get(t.untyped_storage().data_ptr())
+                if state is not None:
+                    states.append(state)
+        materialize_states([s for s in states if s.contents is not None], reason, self)
+        return _map_tensors(tree, lambda t: t._materialize() if isinstance(t, DeferredTensor) else t)
+
+    # -- flushing ------------------------------------------------------------------------------
+    def flush_all(self, reason: FlushReason) -> None:
+        states = [s for s in list(self.pending) if s.contents is not None]
+        if states:
+            materialize_states(states, reason, self)
+        self.pending_nodes = 0
+
+
+def materialize_states(states: list[StorageState], reason: FlushReason, recorder: Optional[Recorder]) -> None:
+    """Compute the contents of ``states`` and write them into their buffers."""
+    states = [s for s in states if s.contents is not None]
+    if not states:
+        return
+    if recorder is not None and any(s.buffer is not None for s in states):
+        # Writing back into existing memory: pending readers of that memory must run first.
+        states = list({id(s): s for s in states + [p for p in recorder.pending if p.contents is not None]}.values())
+    STATS.flushes[reason.value] += 1
+    with no_dispatch(), torch.profiler.record_function("deferfuse.flush"):
+        targets: list[Value] = []
+        for s in states:
+            if s.contents[0] == "root" and not _is_plain_root(s):
+                _flatten_detached(s)
+            targets.append(s.contents[1])
+        nodes = graph.ancestors(targets)
+        # also keep values that live tensors read, so they are not computed twice
+        node_ids = {n.id for n in nodes}
+        extra_states = []
+        if recorder is not None:
+            for p in list(recorder.pending):
+                if p.contents is not None and p not in states and p.contents[1].node.id in node_ids:
+                    if p.contents[0] == "root" and not _is_plain_root(p):
+                        continue
+                    extra_states.append(p)
+                    targets.append(p.contents[1])
+        all_states = states + extra_states
+        results = runtime.execute(nodes, targets) if nodes else [v.result for v in targets]
+        for s, value, result in zip(all_states, targets, results):
+            flat = result.reshape(-1)
+            if s.buffer is None:
+                s.buffer = flat
+                ptr = flat.untyped_storage().data_ptr()
+                if ptr:
+                    _STATES_BY_PTR[ptr] = s
+            else:
+                s.buffer.copy_(flat)
+            value.result = result
+            s.contents = None
+            s.changed()
+        _release(nodes)
+    if recorder is not None:
+        recorder.pending_nodes = max(0, recorder.pending_nodes - len(nodes))
+
+
+def _is_plain_root(s: StorageState) -> bool:
+    _, value, m = s.contents
+    return m.is_contiguous and m.offset == 0 and m.numel == s.numel
+
+
+def _flatten_detached(s: StorageState) -> Value:
+    _, value, m = s.contents
+    flat = Node(graph.FLATTEN, (value, m), {}, (_flat_meta(s),), (graph.FLATTEN, m)).outputs[0]
+    s.contents = ("flat", flat)
+    return flat
+
+
+def _release(nodes: list[Node]) -> None:
+    """Computed nodes drop their inputs, so the graph above them can be freed."""
+    for node in nodes:
+        if all(v.result is not None for v in node.outputs):
+            node.args = ()
+            node.kwargs = {}
+
+
+# -- helpers over argument trees ---------------------------------------------------------------
+def _tensors_in(*trees: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    stack = list(trees)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            stack.extend(a)
+        elif isinstance(a, dict):
+            stack.extend(a.values())
+    return found
+
+
+def _map_tensors(tree: Any, fn) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(x, fn) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    return tree
+
+
+def _written_arguments(func, info, args, kwargs) -> list:
+    found = []
+    names = info.arg_names
+    for name in info.written:
+        if name in kwargs:
+            found.append(kwargs[name])
+        else:
+            i = names.index(name)
+            if i < len(args):
+                found.append(args[i])
+    return found
+
+
+def _map_returned(out: Any, real_written: list, written: list) -> Any:
+    def swap(t):
+        for r, w in zip(real_written, written):
+            if t is r:
+                return w
+        return t
+    return _map_tensors(out, swap)
+
+
+def _returns_sequence(func) -> bool:
+    returns = func._schema.returns
+    return len(returns) == 1 and str(returns[0].type).startswith("List")
+
+
+def _restructure_like(func, outs: list) -> Any:
+    if _returns_sequence(func):
+        return list(outs)
+    if len(func._schema.returns) == 1:
+        return outs[0]
+    return tuple(outs)
+
+
+class DeferMode(TorchDispatchMode):
+    """Intercepts aten ops and hands them to a Recorder."""
+
+    def __init__(self, recorder: Optional[Recorder] = None) -> None:
+        super().__init__()
+        self.recorder = recorder or Recorder()
+        self.recorder.mode = self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.recorder.dispatch(func, args, kwargs or {})
+
+
+def dispatch_outside_context(func, args, kwargs) -> Any:
+    """An op on DeferredTensors with no defer context active: run it eagerly on their data."""
+    info = op_info(func)
+    tensors = _tensors_in(args, kwargs)
+    for t in tensors:
+        if isinstance(t, DeferredTensor) and t._storage.contents is not None:
+            materialize_states([t._storage], FlushReason.ESCAPE, t._recorder if t._recorder.active else None)
+    real_args = _map_tensors(args, lambda t: t._materialize() if isinstance(t, DeferredTensor) else t)
+    real_kwargs = _map_tensors(kwargs, lambda t: t._materialize() if isinstance(t, DeferredTensor) else t)
+    out = func(*real_args, **real_kwargs)
+    if info.written:
+        written = _written_arguments(func, info, args, kwargs)
+        for t in written:
+            if isinstance(t, DeferredTensor):
+                t._storage.changed()
+        return _map_returned(out, _written_arguments(func, info, real_args, real_kwargs), written)
+    return out

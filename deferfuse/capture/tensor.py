@@ -1,0 +1,102 @@
+"""DeferredTensor: a torch.Tensor with metadata now and data later.
+
+It is a wrapper subclass, so every path that touches data goes through us: aten ops reach
+``__torch_dispatch__`` and Python-level data access (``tolist``, ``numpy``, ``repr``, ``data_ptr``,
+pickling) is overridden here to materialize first.  Once its context has ended, it behaves as an
+ordinary tensor: ops on it run eagerly on its data.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..errors import FlushReason
+from ..ir.graph import StorageState
+from ..ir.meta import TensorMeta
+
+
+class DeferredTensor(torch.Tensor):
+    _meta: TensorMeta
+    _storage: StorageState
+    _recorder: Any
+
+    @staticmethod
+    def __new__(cls, meta: TensorMeta, storage: StorageState, recorder: Any) -> "DeferredTensor":
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
+            device=meta.device, requires_grad=False)
+        t._meta = meta
+        t._storage = storage
+        t._recorder = recorder
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .recorder import dispatch_outside_context
+        return dispatch_outside_context(func, args, kwargs or {})
+
+    # -- materialization ---------------------------------------------------------------------
+    def _materialize(self, reason: FlushReason = FlushReason.SYNC) -> torch.Tensor:
+        """The real data of this tensor (a view of its storage's buffer), computing it if needed."""
+        storage = self._storage
+        if storage.contents is not None:
+            from .recorder import materialize_states
+            materialize_states([storage], reason, self._recorder)
+        m = self._meta
+        return torch.as_strided(storage.buffer, m.shape, m.stride, m.offset)
+
+    def _data_for(self, reason: FlushReason) -> torch.Tensor:
+        from .recorder import no_dispatch
+        with no_dispatch():
+            return self._materialize(reason)
+
+    # -- observation points ------------------------------------------------------------------
+    def tolist(self):
+        return self._data_for(FlushReason.TOLIST).tolist()
+
+    def numpy(self, *, force: bool = False):
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
+                               "Use tensor.detach().numpy() instead.")
+        return self._data_for(FlushReason.NUMPY).numpy(force=force)
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self._data_for(FlushReason.NUMPY).detach().numpy()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def data_ptr(self) -> int:
+        return self._data_for(FlushReason.DATA_PTR).data_ptr()
+
+    def untyped_storage(self):
+        return self._data_for(FlushReason.DATA_PTR).untyped_storage()
+
+    def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:
+        data = self._data_for(FlushReason.REPR)
+        text = repr(data)
+        if self.grad_fn is not None:
+            text = text[:-1] + f", grad_fn=<{type(self.grad_fn).__name__}>)"
+        elif self.requires_grad:
+            text = text[:-1] + ", requires_grad=True)"
+        return text
+
+    def __reduce_ex__(self, protocol):
+        data = self._data_for(FlushReason.SERIALIZE).detach().clone()
+        data.requires_grad_(self.requires_grad)
+        return data.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        data = self._data_for(FlushReason.SERIALIZE).detach().clone()
+        data.requires_grad_(self.requires_grad)
+        memo[id(self)] = data
+        return data
+
+
+def is_materialized(t: torch.Tensor) -> bool:
+    """True for ordinary tensors and for deferred tensors whose data has been computed."""
+    if isinstance(t, DeferredTensor):
+        return t._storage.contents is None
+    return True

@@ -1,0 +1,281 @@
+"""Run a pending subgraph: as one jitted XLA computation, or eagerly op by op.
+
+The executable cache is keyed by a structural signature of the subgraph: for each node its
+structural key (op, input metadata, static arguments) and which earlier values it reads, the
+metadata of the graph inputs, and which values leave the computation.  Runtime scalars (Python
+floats given to ``Scalar`` parameters) are passed in, so they never change the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import config
+from ..errors import LoweringError
+from ..ir import graph
+from ..ir.graph import Node, Value
+from ..ir.meta import TensorMeta
+from ..lower import dtypes as dtypes_
+from ..lower.registry import RuntimeScalar
+from ..lower.views import internal_rule
+from ..stats import STATS
+from . import interop
+
+log = logging.getLogger("deferfuse")
+
+
+class _Ref:
+    """A reference, inside a program template, to a value (by local id) or a runtime scalar."""
+
+    __slots__ = ("kind", "index")
+
+    def __init__(self, kind: str, index: int) -> None:
+        self.kind = kind
+        self.index = index
+
+
+class Step:
+    __slots__ = ("rule", "ctx", "args", "kwargs", "outs", "out_metas", "source", "op")
+
+    def __init__(self, rule, ctx, args, kwargs, outs, out_metas, source, op) -> None:
+        self.rule, self.ctx, self.args, self.kwargs = rule, ctx, args, kwargs
+        self.outs, self.out_metas, self.source, self.op = outs, out_metas, source, op
+
+
+class Program:
+    """A subgraph with value identities replaced by local ids: what gets compiled."""
+
+    def __init__(self, n_inputs: int, steps: list[Step], outputs: tuple[int, ...]) -> None:
+        self.n_inputs = n_inputs
+        self.steps = steps
+        self.outputs = outputs
+
+    def __call__(self, inputs: Sequence[jax.Array], scalars: jax.Array) -> list[jax.Array]:
+        env: list[Any] = list(inputs)
+
+        def resolve(a: Any) -> Any:
+            if isinstance(a, _Ref):
+                return env[a.index] if a.kind == "v" else scalars[a.index]
+            if type(a) in (list, tuple):
+                return type(a)(resolve(x) for x in a)
+            return a
+
+        for step in self.steps:
+            try:
+                out = step.rule(step.ctx, *resolve(step.args), **{k: resolve(v) for k, v in step.kwargs.items()})
+            except Exception as exc:
+                raise LoweringError(f"lowering {step.op} failed{_at(step.source)}: {type(exc).__name__}: {exc}") from exc
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for local_id, meta, arr in zip(step.outs, step.out_metas, outs):
+                arr = jnp.asarray(arr)
+                want = dtypes_.to_jax(meta.dtype)
+                if arr.dtype != want:
+                    arr = arr.astype(want)
+                if tuple(arr.shape) != meta.shape:
+                    raise LoweringError(f"lowering {step.op} gave shape {tuple(arr.shape)}, torch gives "
+                                        f"{meta.shape}{_at(step.source)}")
+                env.append(arr)
+                assert len(env) - 1 == local_id
+        return [env[i] for i in self.outputs]
+
+
+def _at(source: Optional[str]) -> str:
+    return f" (recorded at {source})" if source else ""
+
+
+class _Compiled:
+    __slots__ = ("executable", "n_scalars")
+
+    def __init__(self, executable: Any, n_scalars: int) -> None:
+        self.executable = executable
+        self.n_scalars = n_scalars
+
+
+_EXECUTABLES: dict[Any, _Compiled] = {}
+
+
+def _x64():
+    return jax.enable_x64(True)
+
+
+def _template(a: Any, index: dict[int, int], leaves: list[Value], scalars: list[float]) -> tuple[Any, Any]:
+    """(template for the program, structural key) of one argument."""
+    if isinstance(a, Value):
+        local = index.get(id(a))
+        if local is None:
+            # a value computed earlier (or a graph input): it enters as an input
+            local = len(leaves)
+            index[id(a)] = local
+            leaves.append(a)
+        return _Ref("v", local), ("v", local)
+    if isinstance(a, RuntimeScalar):
+        scalars.append(a.value)
+        return _Ref("s", len(scalars) - 1), "s"
+    if type(a) in (list, tuple):
+        parts = [_template(x, index, leaves, scalars) for x in a]
+        return type(a)(p[0] for p in parts), tuple(p[1] for p in parts)
+    return a, a
+
+
+def build(nodes: list[Node], outputs: list[Value]):
+    """Signature, program-building closure, graph inputs and runtime scalars of a subgraph.
+
+    Graph inputs are numbered first (in order of first use) so the program sees them as
+    env[0..n); node outputs follow.
+    """
+    leaves: list[Value] = []
+    scalars: list[float] = []
+    index: dict[int, int] = {}
+    in_set = {n.id for n in nodes}
+    # Graph inputs: values read by the subgraph but not produced in it.
+    for node in nodes:
+        for v in node.input_values():
+            if v.node.id not in in_set and id(v) not in index:
+                index[id(v)] = len(leaves)
+                leaves.append(v)
+    n_inputs = len(leaves)
+    next_id = n_inputs
+    sig: list[Any] = [tuple((v.meta.shape, v.meta.dtype) for v in leaves)]
+    templates = []
+    for node in nodes:
+        args_t, args_k = _template(node.args, index, leaves, scalars)
+        kw = {k: _template(v, index, leaves, scalars) for k, v in node.kwargs.items()}
+        assert len(leaves) == n_inputs, "a graph input appeared after numbering"
+        outs = []
+        for v in node.outputs:
+            index[id(v)] = next_id
+            outs.append(next_id)
+            next_id += 1
+        sig.append((node.key, args_k, tuple((k, p[1]) for k, p in kw.items())))
+        templates.append((node, args_t, {k: p[0] for k, p in kw.items()}, tuple(outs)))
+    out_ids = tuple(index[id(v)] for v in outputs)
+    sig.append(out_ids)
+    sig.append(config.compile_key())
+
+    def make_program() -> Program:
+        steps = []
+        for node, args_t, kwargs_t, outs in templates:
+            if isinstance(node.op, graph.InternalOp):
+                rule, ctx = internal_rule(node.op), None
+            else:
+                rule, ctx = node.lowering.lowering.rule, node.lowering.ctx
+            steps.append(Step(rule, ctx, args_t, kwargs_t, outs, tuple(v.meta for v in node.outputs),
+                              node.source, node.op))
+        return Program(n_inputs, steps, out_ids)
+
+    return tuple(sig), make_program, leaves, scalars
+
+
+def _compile(program: Program, leaves: list[Value], n_scalars: int) -> _Compiled:
+    avals = [jax.ShapeDtypeStruct(v.meta.shape, dtypes_.to_jax(v.meta.dtype)) for v in leaves]
+    scalar_aval = jax.ShapeDtypeStruct((n_scalars,), jnp.float64)
+    with _x64(), _profile("deferfuse.compile"):
+        lowered = jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
+        executable = lowered.compile()
+    STATS.compiles += 1
+    return _Compiled(executable, n_scalars)
+
+
+def _profile(name: str):
+    return torch.profiler.record_function(name)
+
+
+def execute_xla(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
+    sig, make_program, leaves, scalars = build(nodes, outputs)
+    compiled = _EXECUTABLES.get(sig)
+    if compiled is None:
+        STATS.cache_misses += 1
+        compiled = _compile(make_program(), leaves, len(scalars))
+        _EXECUTABLES[sig] = compiled
+    else:
+        STATS.cache_hits += 1
+    with _x64(), _profile("deferfuse.execute"):
+        inputs = [interop.to_jax(v.result) for v in leaves]
+        results = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
+    STATS.executions += 1
+    return [interop.to_torch(r) for r in results]
+
+
+def _eager_args(a: Any) -> Any:
+    if isinstance(a, Value):
+        return a.result
+    if isinstance(a, RuntimeScalar):
+        return a.value
+    if type(a) in (list, tuple):
+        return type(a)(_eager_args(x) for x in a)
+    return a
+
+
+def _eager_internal(node: Node, args: tuple) -> torch.Tensor:
+    op = node.op
+    if op is graph.READ_VIEW:
+        flat, meta = args
+        return torch.as_strided(flat, meta.shape, meta.stride, meta.offset).clone()
+    if op is graph.WRITE_VIEW:
+        flat, value, meta = args
+        out = flat.clone()
+        torch.as_strided(out, meta.shape, meta.stride, meta.offset).copy_(value)
+        return out
+    if op is graph.FLATTEN:
+        value, meta = args
+        out = torch.zeros(meta.storage_numel, dtype=meta.dtype, device=value.device)
+        torch.as_strided(out, meta.shape, meta.stride, meta.offset).copy_(value)
+        return out
+    if op is graph.CAST:
+        value, dtype = args
+        return value.to(dtype)
+    raise AssertionError(f"no eager form for {op}")
+
+
+def execute_eager(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
+    """Replay the subgraph op by op with torch (no compile): for tiny one-off graphs."""
+    computed: dict[int, torch.Tensor] = {}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, Value):
+            return a.result if a.result is not None else computed[id(a)]
+        if isinstance(a, RuntimeScalar):
+            return a.value
+        if type(a) in (list, tuple):
+            return type(a)(arg(x) for x in a)
+        return a
+
+    for node in nodes:
+        args = arg(node.args)
+        kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+        if isinstance(node.op, graph.InternalOp):
+            out = _eager_internal(node, args)
+        else:
+            out = node.op(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for v, t in zip(node.outputs, outs):
+            computed[id(v)] = t
+    STATS.eager_replays += 1
+    return [v.result if v.result is not None else computed[id(v)] for v in outputs]
+
+
+def should_replay_eagerly(nodes: list[Node]) -> bool:
+    """Scalar bookkeeping (graphs of tiny tensors) runs eagerly rather than paying a compile."""
+    if config.get("always_compile"):
+        return False
+    limit = config.get("eager_small_flush")
+    if limit and len(nodes) <= limit:
+        return True
+    return all(v.meta.numel <= 1 for n in nodes for v in n.outputs) and len(nodes) <= 64
+
+
+def execute(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
+    if should_replay_eagerly(nodes):
+        return execute_eager(nodes, outputs)
+    return execute_xla(nodes, outputs)
+
+
+def clear_cache() -> None:
+    _EXECUTABLES.clear()

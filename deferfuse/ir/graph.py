@@ -1,0 +1,159 @@
+"""The pending graph: immutable nodes, the values they produce, and storage states.
+
+A ``Node`` is one recorded op.  Its ``args``/``kwargs`` hold ``Value``s where the op took tensors,
+``RuntimeScalar``s where it took a Python float that may change between runs, and plain Python
+values elsewhere.  Record order is a topological order, so ``Node.id`` sorts a subgraph.
+
+``StorageState`` is the memory model.  torch's aliasing lives in storages: every view, in-place
+op and ``out=`` write touches a storage through (size, stride, offset).  We model each storage as
+a flat 1-D value; reading a tensor is a strided read of that value, writing is a strided write
+that produces the next flat value.  The common cases stay cheap: a tensor that is the whole
+storage (``TensorMeta.covers_storage``) keeps its logical value as the storage contents, and a
+tensor whose storage has not changed since its value was computed reads that value directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch
+
+from .meta import TensorMeta
+
+_node_ids = itertools.count()
+
+
+class InternalOp:
+    """An op of our own (graph inputs and the storage model), not an aten overload."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"deferfuse.{self.name}"
+
+
+INPUT = InternalOp("input")                  # a leaf: value.result is a torch tensor
+READ_VIEW = InternalOp("read_view")          # (flat, TensorMeta) -> strided read
+WRITE_VIEW = InternalOp("write_view")        # (flat, value, TensorMeta) -> new flat
+FLATTEN = InternalOp("flatten")              # (value, TensorMeta) -> flat in memory order
+CAST = InternalOp("cast")                    # (value, torch.dtype) -> value
+
+
+class Value:
+    """One output of a node: metadata now, data (``result``) once computed."""
+
+    __slots__ = ("node", "index", "meta", "result", "__weakref__")
+
+    def __init__(self, node: "Node", index: int, meta: TensorMeta) -> None:
+        self.node = node
+        self.index = index
+        self.meta = meta
+        self.result: Optional[torch.Tensor] = None
+
+    def __repr__(self) -> str:
+        state = "computed" if self.result is not None else "pending"
+        return f"Value({self.node.op}#{self.node.id}[{self.index}], {list(self.meta.shape)}, {state})"
+
+
+class Node:
+    __slots__ = ("id", "op", "args", "kwargs", "outputs", "key", "source", "lowering", "__weakref__")
+
+    def __init__(self, op: Any, args: tuple, kwargs: dict, out_metas: tuple[TensorMeta, ...],
+                 key: Any, source: Optional[str] = None, lowering: Any = None) -> None:
+        self.id = next(_node_ids)
+        self.op = op
+        self.args = args
+        self.kwargs = kwargs
+        self.key = key            # structural: op and static arguments, no value identities
+        self.source = source      # "file:line" of the user code that recorded it
+        self.lowering = lowering
+        self.outputs = tuple(Value(self, i, m) for i, m in enumerate(out_metas))
+
+    def input_values(self) -> list[Value]:
+        found: list[Value] = []
+        for a in itertools.chain(self.args, self.kwargs.values()):
+            if isinstance(a, Value):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                found.extend(x for x in a if isinstance(x, Value))
+        return found
+
+    def __repr__(self) -> str:
+        return f"Node#{self.id}({self.op})"
+
+
+def leaf(tensor: torch.Tensor) -> Value:
+    """A graph input holding ``tensor`` (contiguous, offset 0, so DLPack shares it)."""
+    node = Node(INPUT, (), {}, (TensorMeta.of(tensor),), key=None)
+    value = node.outputs[0]
+    value.result = tensor
+    return value
+
+
+def ancestors(targets: list[Value]) -> list[Node]:
+    """Pending nodes needed to compute ``targets``, in record (topological) order.
+
+    Iterative: pending graphs may be tens of thousands of nodes deep.
+    """
+    seen: set[int] = set()
+    found: list[Node] = []
+    stack = [v.node for v in targets if v.result is None]
+    while stack:
+        node = stack.pop()
+        if node.id in seen:
+            continue
+        seen.add(node.id)
+        found.append(node)
+        for v in node.input_values():
+            if v.result is None and v.node.id not in seen:
+                stack.append(v.node)
+    found.sort(key=lambda n: n.id)
+    return found
+
+
+class StorageState:
+    """The contents of one storage, as the graph sees it.
+
+    ``buffer`` is the real memory (a 1-D tensor over the whole storage) once there is any:
+    a user tensor's storage, or a deferred tensor's after it was materialized.  ``contents``
+    says what the storage holds if that differs from ``buffer``:
+      None                       buffer is up to date
+      ("root", value, meta)      the tensor ``meta`` covering the whole storage holds ``value``
+      ("flat", value)            ``value`` is the flat contents in memory order
+    ``version`` changes whenever the contents or their representation change; a tensor's
+    cached value is valid only for the version it was computed at.
+    """
+
+    __slots__ = ("buffer", "contents", "version", "numel", "dtype", "device", "reads", "leaf",
+                 "__weakref__")
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
+                 buffer: Optional[torch.Tensor] = None, contents: Any = None) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self.device = device
+        self.buffer = buffer
+        self.contents = contents
+        self.version = 0
+        # values of tensors (by TensorMeta) read from the current contents
+        self.reads: dict[TensorMeta, Value] = {}
+        # graph input holding ``buffer`` while it is current
+        self.leaf: Optional[Value] = None
+
+    def changed(self) -> None:
+        """The contents or their representation changed: cached reads are stale."""
+        self.version += 1
+        self.reads = {}
+        self.leaf = None
+
+    @property
+    def pending(self) -> bool:
+        return self.contents is not None
+
+    def __repr__(self) -> str:
+        kind = "current" if self.contents is None else self.contents[0]
+        return f"StorageState({self.numel} x {self.dtype}, {kind}, v{self.version})"

@@ -1,0 +1,3 @@
+"""creation lowerings."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""linalg lowerings."""
+
+from __future__ import annotations

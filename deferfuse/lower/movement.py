@@ -1,0 +1,3 @@
+"""movement lowerings."""
+
+from __future__ import annotations

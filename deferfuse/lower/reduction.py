@@ -1,0 +1,3 @@
+"""reduction lowerings."""
+
+from __future__ import annotations

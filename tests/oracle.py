@@ -1,0 +1,73 @@
+"""Strict PyTorch is the oracle: run a function both ways and compare everything observable."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import deferfuse
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone().requires_grad_(tree.requires_grad)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone(x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    return tree
+
+
+def assert_same(expected: Any, actual: Any, *, exact: bool = False, path: str = "result", **tol) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != strict {expected.dtype}"
+        assert actual.shape == expected.shape, f"{path}: shape {tuple(actual.shape)} != strict {tuple(expected.shape)}"
+        a, e = actual.detach(), expected.detach()
+        if exact or not (e.is_floating_point() or e.is_complex()):
+            assert torch.equal(a, e) or (a.isnan() == e.isnan()).all() and torch.equal(
+                a[~a.isnan()], e[~e.isnan()]), f"{path}: values differ\nstrict: {e}\ndefer:  {a}"
+        else:
+            torch.testing.assert_close(a, e, equal_nan=True, msg=lambda m: f"{path}: {m}", **tol)
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"{path}: {actual!r}"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_same(e, a, exact=exact, path=f"{path}[{i}]", **tol)
+    elif isinstance(expected, float) and expected != expected:
+        assert actual != actual, f"{path}: {actual} != nan"
+    else:
+        assert actual == expected, f"{path}: {actual!r} != strict {expected!r}"
+
+
+def run_both(fn: Callable[..., Any], *inputs: Any, always_compile: bool = True) -> tuple[Any, Any, Any, Any]:
+    """(strict result, defer result, strict inputs after, defer inputs after).  An exception under
+    strict must be matched by the same exception type under defer; it is then re-raised."""
+    strict_inputs, defer_inputs = _clone(inputs), _clone(inputs)
+    strict_exc = defer_exc = None
+    try:
+        expected = fn(*strict_inputs)
+    except Exception as exc:  # noqa: BLE001 - the oracle compares whatever strict raises
+        strict_exc, expected = exc, None
+    with deferfuse.config.override(always_compile=always_compile):
+        try:
+            with deferfuse.defer():
+                actual = fn(*defer_inputs)
+        except Exception as exc:  # noqa: BLE001
+            defer_exc, actual = exc, None
+    if strict_exc is not None:
+        assert defer_exc is not None, f"strict raised {type(strict_exc).__name__}: {strict_exc}; defer did not"
+        assert type(defer_exc) is type(strict_exc), (
+            f"strict raised {type(strict_exc).__name__}: {strict_exc}\n"
+            f"defer raised {type(defer_exc).__name__}: {defer_exc}")
+    elif defer_exc is not None:
+        raise AssertionError(f"defer raised but strict did not: {type(defer_exc).__name__}") from defer_exc
+    return expected, actual, strict_inputs, defer_inputs
+
+
+def check(fn: Callable[..., Any], *inputs: Any, exact: bool = False, **tol) -> Any:
+    """Run ``fn`` under strict and defer (always compiling) and compare results and inputs."""
+    expected, actual, strict_inputs, defer_inputs = run_both(fn, *inputs)
+    assert_same(expected, actual, exact=exact, **tol)
+    assert_same(strict_inputs, defer_inputs, exact=exact, path="inputs after", **tol)
+    return actual
