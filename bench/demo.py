@@ -32,6 +32,10 @@ class CountAtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _plural(count, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else ("es" if noun.endswith("sh") else "s"))
+
+
 def count_aten_ops(spec: Spec) -> int:
     inputs = spec.make_inputs()
     with CountAtenOps() as counter:
@@ -76,9 +80,9 @@ def show(spec: Spec, title: str, formula: str, probe: DeferProbe) -> bool:
 
     flushes = one_call.get("flushes", {}) or {}
     print(f"    one call:  strict runs {aten_ops} aten ops, one kernel each; defer recorded "
-          f"{one_call.get('ops_recorded')} ops -> {sum(flushes.values())} flush "
-          f"{dict(flushes)} -> {one_call.get('executions')} XLA execution(s), "
-          f"{one_call.get('compiles')} compile(s)")
+          f"{one_call.get('ops_recorded')} ops -> {_plural(sum(flushes.values()), 'flush')} "
+          f"{dict(flushes)} -> {_plural(one_call.get('executions'), 'XLA execution')}, "
+          f"{_plural(one_call.get('compiles'), 'compile')}")
     fallbacks = one_call.get("fallbacks", {}) or {}
     if fallbacks:
         print(f"               fallbacks to eager: {dict(fallbacks)}")

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -237,11 +239,10 @@ def machine_info() -> dict[str, Any]:
         "cwd": os.getcwd(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
-    try:
-        affinity = os.sched_getaffinity(0)
-        info["cpus_usable"] = len(affinity)
-    except AttributeError:
-        pass
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    if hasattr(os, "getloadavg"):
+        info["load_average_1_5_15m"] = [round(load, 2) for load in os.getloadavg()]
     try:
         import jax
         info["jax"] = jax.__version__
@@ -249,11 +250,39 @@ def machine_info() -> dict[str, Any]:
     except Exception as exc:
         info["jax"] = "unavailable: " + short_reason(exc)
     try:
-        import deferfuse
-        info["deferfuse"] = getattr(deferfuse, "__version__", "unknown")
-    except Exception as exc:
-        info["deferfuse"] = "unavailable: " + short_reason(exc)
+        info["deferfuse"] = importlib.metadata.version("deferfuse")
+    except importlib.metadata.PackageNotFoundError:
+        info["deferfuse"] = "not installed"
+    info["git_commit"] = _git_commit()
     return info
+
+
+def _git_commit() -> str | None:
+    """The repository's commit, with '+dirty' when the work tree has changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                                capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0:
+        return None
+    return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def busy_machine_warning() -> str | None:
+    """A warning when other processes already load the CPUs: medians will be noisy (ratios,
+    measured interleaved, suffer less)."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load = os.getloadavg()[0]
+    cpus = os.cpu_count() or 1
+    if load > 0.5 * cpus:
+        return (f"warning: load average {load:.1f} on {cpus} CPUs before starting; other "
+                f"processes compete for the cores, so absolute times will be noisy")
+    return None
 
 
 def save_results(name: str, results: list[Result], extra: dict[str, Any] | None = None) -> Path:

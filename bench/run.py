@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from bench.harness import Budget, Result, save_results
+from bench.harness import Budget, Result, busy_machine_warning, machine_info, save_results
 from bench.workloads import DeferProbe, all_specs, run_cold_start, run_spec
 
 COLUMNS = ("strict", "defer", "jax", "compile", "floor")
@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     budget = (Budget(seconds=0.6, warmup=1, min_rounds=3, max_rounds=15) if args.quick
               else Budget(seconds=2.5, warmup=2, min_rounds=5, max_rounds=50))
+    busy = busy_machine_warning()
+    if busy:
+        print(busy)
+    machine_at_start = machine_info()
     probe = DeferProbe()
     if probe.unavailable:
         print(f"note: the defer column is skipped: {probe.unavailable}")
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_notes(results))
     name = args.name or ("quick" if args.quick else "full")
-    path = save_results(name, results, {"elapsed_s": time.perf_counter() - started})
+    path = save_results(name, results, {"elapsed_s": time.perf_counter() - started,
+                                             "machine_at_start": machine_at_start})
     print(f"\nsaved {path.relative_to(path.parent.parent.parent)} "
           f"({time.perf_counter() - started:.0f}s in all)")
     return 0

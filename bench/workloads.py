@@ -101,14 +101,30 @@ def causal_attention_jax(q, k, v):
     return weights @ v
 
 
-ADAMW = dict(lr=1e-3, weight_decay=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=10)
+ADAMW = dict(lr=1e-3, weight_decay=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs):
+class StepCounter:
+    """The optimizer's step count, a plain Python int as in a hand-written training loop.
+
+    With ``advance`` each call moves to the next step, so the bias corrections (Python floats)
+    change every call, as in real training; without it they stay fixed.
+    """
+
+    def __init__(self, start: int, advance: bool) -> None:
+        self.value = start
+        self.advance = advance
+
+    def next_bias_corrections(self) -> tuple[float, float]:
+        if self.advance:
+            self.value += 1
+        return 1 - ADAMW["beta1"] ** self.value, 1 - ADAMW["beta2"] ** self.value
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, step: StepCounter):
     """One AdamW update, in place, over lists of tensors (the shape of a for-loop optimizer)."""
     lr, wd, b1, b2, eps = (ADAMW[k] for k in ("lr", "weight_decay", "beta1", "beta2", "eps"))
-    bias_correction1 = 1 - b1 ** ADAMW["step"]
-    bias_correction2 = 1 - b2 ** ADAMW["step"]
+    bias_correction1, bias_correction2 = step.next_bias_corrections()
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         p.mul_(1 - lr * wd)
         m.mul_(b1).add_(g, alpha=1 - b1)
@@ -117,11 +133,11 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs):
     return params, exp_avgs, exp_avg_sqs
 
 
-def adamw_step_jax(params, grads, exp_avgs, exp_avg_sqs):
+def adamw_step_jax(params, grads, exp_avgs, exp_avg_sqs, bias_correction1, bias_correction2):
+    """The functional twin: returns the new state; bias corrections are runtime scalars, so a
+    new step does not recompile."""
     import jax.numpy as jnp
     lr, wd, b1, b2, eps = (ADAMW[k] for k in ("lr", "weight_decay", "beta1", "beta2", "eps"))
-    bias_correction1 = 1 - b1 ** ADAMW["step"]
-    bias_correction2 = 1 - b2 ** ADAMW["step"]
     new_params, new_ms, new_vs = [], [], []
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         p = p * (1 - lr * wd)
@@ -132,6 +148,26 @@ def adamw_step_jax(params, grads, exp_avgs, exp_avg_sqs):
         new_ms.append(m)
         new_vs.append(v)
     return new_params, new_ms, new_vs
+
+
+def adamw_jax_candidate(inputs: tuple) -> Candidate:
+    """jax.jit of the AdamW step, the state donated back so XLA may update it in place."""
+    import jax
+    import jax.numpy as jnp
+    params, grads, exp_avgs, exp_avg_sqs, step = inputs
+    jitted = jax.jit(adamw_step_jax, donate_argnums=(0, 2, 3))
+    convert = lambda tensors: [jnp.asarray(t.numpy()) for t in tensors]  # noqa: E731
+    state = {"params": convert(params), "m": convert(exp_avgs), "v": convert(exp_avg_sqs)}
+    jax_grads = convert(grads)
+
+    def run():
+        bias_correction1, bias_correction2 = step.next_bias_corrections()
+        new = jitted(state["params"], jax_grads, state["m"], state["v"],
+                     jnp.float32(bias_correction1), jnp.float32(bias_correction2))
+        state["params"], state["m"], state["v"] = jax.block_until_ready(new)
+        return new
+
+    return Candidate("jax", run)
 
 
 def chained_ops(x, count: int = 200):
@@ -152,7 +188,9 @@ class Spec:
     torch_fn: Callable[..., Any]
     make_inputs: Callable[[], tuple]  # seeded: equal values on every call
     jax_fn: Callable[..., Any] | None = None
-    mutates_inputs: bool = False
+    # For a stateful workload, builds the JAX candidate from that candidate's own inputs.
+    jax_builder: Callable[[tuple], Candidate] | None = None
+    mutates_inputs: bool = False  # then each candidate gets its own make_inputs()
     rtol: float = 1e-4
     atol: float = 1e-5
     columns: tuple[str, ...] = ("strict", "defer", "jax", "compile", "floor")
@@ -178,14 +216,9 @@ def _input_bytes(inputs: tuple) -> int:
     return total
 
 
-def _tree_map(fn, tree):
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_tree_map(fn, item) for item in tree)
-    return fn(tree) if isinstance(tree, torch.Tensor) else tree
-
-
 def _inputs_for(spec: Spec, shared: tuple) -> tuple:
-    return _tree_map(torch.clone, shared) if spec.mutates_inputs else shared
+    # make_inputs is seeded, so a fresh call gives every candidate equal starting values.
+    return spec.make_inputs() if spec.mutates_inputs else shared
 
 
 class DeferProbe:
@@ -248,34 +281,19 @@ def defer_candidate(spec: Spec, shared: tuple, probe: DeferProbe) -> Candidate:
 
 
 def jax_candidate(spec: Spec, shared: tuple) -> Candidate:
-    if spec.jax_fn is None:
+    if spec.jax_fn is None and spec.jax_builder is None:
         return Candidate("jax", None, unavailable="no JAX version of this workload")
     try:
         import jax
         import jax.numpy as jnp
     except Exception as exc:
         return Candidate("jax", None, unavailable=short_reason(exc))
+    if spec.jax_builder is not None:
+        return spec.jax_builder(_inputs_for(spec, shared))
     # Converted once, outside the timed region.
-    jax_inputs = _tree_map(lambda t: jnp.asarray(t.numpy()), shared)
-    if not spec.mutates_inputs:
-        jitted = jax.jit(spec.jax_fn)
-        return Candidate("jax", lambda: jax.block_until_ready(jitted(*jax_inputs)))
-
-    # An in-place torch workload: its JAX twin returns the new (params, exp_avgs, exp_avg_sqs),
-    # which are donated back to the next call, so XLA may update them in place.
-    step = jax.jit(lambda state, grads: spec.jax_fn(state[0], grads, state[1], state[2]),
-                   donate_argnums=0)
-    grads = jax_inputs[1]
-    # Own copies: a donated buffer must not alias memory that torch still reads.
-    state = {"value": [[jnp.array(a, copy=True) for a in group]
-                       for group in (jax_inputs[0], *jax_inputs[2:])]}
-
-    def run():
-        new = jax.block_until_ready(step(state["value"], grads))
-        state["value"] = [list(group) for group in new]
-        return new
-
-    return Candidate("jax", run)
+    jax_inputs = [jnp.asarray(t.numpy()) for t in shared]
+    jitted = jax.jit(spec.jax_fn)
+    return Candidate("jax", lambda: jax.block_until_ready(jitted(*jax_inputs)))
 
 
 def compile_candidate(spec: Spec, shared: tuple) -> Candidate:
@@ -377,7 +395,7 @@ def attention_spec() -> Spec:
                 make_inputs, causal_attention_jax, rtol=1e-3, atol=1e-4)
 
 
-def adamw_spec(count: int = 50) -> Spec:
+def adamw_spec(count: int = 50, advance_step: bool = False) -> Spec:
     shape = (64, 1024)
 
     def make_inputs():
@@ -386,9 +404,10 @@ def adamw_spec(count: int = 50) -> Spec:
         grads = [_randn(g, *shape, scale=1e-2) for _ in range(count)]
         exp_avgs = [_randn(g, *shape, scale=1e-3) for _ in range(count)]
         exp_avg_sqs = [_randn(g, *shape, scale=1e-3).abs() for _ in range(count)]
-        return (params, grads, exp_avgs, exp_avg_sqs)
-    return Spec("adamw", f"{count}x64x1024", adamw_step, make_inputs, adamw_step_jax,
-                mutates_inputs=True, rtol=1e-4, atol=1e-6)
+        return (params, grads, exp_avgs, exp_avg_sqs, StepCounter(10, advance_step))
+    name = "adamw-stepping" if advance_step else "adamw"
+    return Spec(name, f"{count}x64x1024", adamw_step, make_inputs,
+                jax_builder=adamw_jax_candidate, mutates_inputs=True, rtol=1e-4, atol=1e-6)
 
 
 def per_op_spec() -> Spec:
@@ -406,7 +425,7 @@ def all_specs(quick: bool) -> list[Spec]:
     sizes = GELU_SIZES_QUICK if quick else GELU_SIZES_FULL
     return ([gelu_spec(s) for s in sizes]
             + [layer_norm_spec(), softmax_spec(), mlp_spec(), attention_spec(), adamw_spec(),
-               per_op_spec()])
+               adamw_spec(advance_step=True), per_op_spec()])
 
 
 # --------------------------------------------------------------------------------------------

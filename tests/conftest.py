@@ -2,3 +2,18 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Hypothesis profiles: ``default`` (the normal run, well under a few minutes on 2 cores) and
+# ``deep`` (``HYPOTHESIS_PROFILE=deep``, as ``make test-deep`` does).  The program suite in
+# test_programs.py has five generating tests: 5 x 70 = 350 programs by default, 5 x 1100 deep.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "default",
+    max_examples=70,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("deep", settings.get_profile("default"), max_examples=1100)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -49,48 +49,50 @@ class DeferredTensor(torch.Tensor):
         m = self._meta
         return torch.as_strided(storage.buffer, m.shape, m.stride, m.offset)
 
-    def _data_for(self, reason: FlushReason) -> torch.Tensor:
+    def _observe(self, reason: FlushReason, use):
+        """Materialize, then run ``use(data)`` with no dispatch mode active (torch calls made while
+        reading the data, such as numpy()'s detach, must not be recorded)."""
         from .recorder import no_dispatch
         with no_dispatch():
-            return self._materialize(reason)
+            return use(self._materialize(reason))
 
     # -- observation points ------------------------------------------------------------------
     def tolist(self):
-        return self._data_for(FlushReason.TOLIST).tolist()
+        return self._observe(FlushReason.TOLIST, lambda d: d.tolist())
 
     def numpy(self, *, force: bool = False):
         if self.requires_grad and not force:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
                                "Use tensor.detach().numpy() instead.")
-        return self._data_for(FlushReason.NUMPY).numpy(force=force)
+        return self._observe(FlushReason.NUMPY, lambda d: d.detach().numpy(force=force))
 
     def __array__(self, dtype=None, copy=None):
-        arr = self._data_for(FlushReason.NUMPY).detach().numpy()
+        arr = self._observe(FlushReason.NUMPY, lambda d: d.detach().numpy())
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
     def data_ptr(self) -> int:
-        return self._data_for(FlushReason.DATA_PTR).data_ptr()
+        return self._observe(FlushReason.DATA_PTR, lambda d: d.data_ptr())
 
     def untyped_storage(self):
-        return self._data_for(FlushReason.DATA_PTR).untyped_storage()
+        return self._observe(FlushReason.DATA_PTR, lambda d: d.untyped_storage())
 
     def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:
-        data = self._data_for(FlushReason.REPR)
-        text = repr(data)
+        text = self._observe(FlushReason.REPR, repr)
         if self.grad_fn is not None:
             text = text[:-1] + f", grad_fn=<{type(self.grad_fn).__name__}>)"
         elif self.requires_grad:
             text = text[:-1] + ", requires_grad=True)"
         return text
 
+    def _plain_copy(self) -> torch.Tensor:
+        data = self._observe(FlushReason.SERIALIZE, lambda d: d.detach().clone())
+        return data.requires_grad_(self.requires_grad)
+
     def __reduce_ex__(self, protocol):
-        data = self._data_for(FlushReason.SERIALIZE).detach().clone()
-        data.requires_grad_(self.requires_grad)
-        return data.__reduce_ex__(protocol)
+        return self._plain_copy().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
-        data = self._data_for(FlushReason.SERIALIZE).detach().clone()
-        data.requires_grad_(self.requires_grad)
+        data = self._plain_copy()
         memo[id(self)] = data
         return data
 

@@ -199,6 +199,8 @@ def execute_xla(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
     with _x64(), _profile("deferfuse.execute"):
         inputs = [interop.to_jax(v.result) for v in leaves]
         results = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
+        # DLPack export does not wait for the computation: torch must not see unfinished buffers
+        jax.block_until_ready(results)
     STATS.executions += 1
     return [interop.to_torch(r) for r in results]
 

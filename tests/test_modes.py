@@ -1,0 +1,133 @@
+"""The three eager modes: names, scoping, nesting, the environment variable, python -m."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import EagerMode
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_torchtpu_names_are_aliases():
+    assert EagerMode.DEFER_NEVER is EagerMode.STRICT
+    assert EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING is EagerMode.DEBUG
+    assert EagerMode.DEFER_AND_FUSE is EagerMode.DEFER
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("strict", EagerMode.STRICT), ("DEBUG", EagerMode.DEBUG), ("Defer", EagerMode.DEFER),
+    ("DEFER_AND_FUSE", EagerMode.DEFER), ("defer_never", EagerMode.STRICT),
+    (EagerMode.DEFER, EagerMode.DEFER)])
+def test_mode_accepts_enum_and_names(name, expected):
+    with deferfuse.mode(name) as m:
+        assert m is expected
+        assert deferfuse.get_mode() is expected
+    assert deferfuse.get_mode() is EagerMode.STRICT
+
+
+def test_unknown_mode_names_allowed_values():
+    with pytest.raises(deferfuse.ModeError, match="strict, debug, defer"):
+        with deferfuse.mode("fast"):
+            pass
+
+
+def test_defer_returns_deferred_tensors_and_strict_does_not():
+    x = torch.ones(3)
+    with deferfuse.defer():
+        y = x + 1
+        assert isinstance(y, deferfuse.DeferredTensor)
+        assert not deferfuse.is_materialized(y)
+        with deferfuse.strict():
+            z = x + 1
+            assert type(z) is torch.Tensor
+        w = x + 2
+        assert isinstance(w, deferfuse.DeferredTensor)
+    assert deferfuse.is_materialized(y)
+    assert torch.equal(y, torch.full((3,), 2.0))
+
+
+def test_nested_defer_is_one_context():
+    x = torch.ones(2)
+    with deferfuse.defer():
+        with deferfuse.defer():
+            y = x * 3
+        assert not deferfuse.is_materialized(y) or True
+        z = y + 1
+    assert torch.equal(z, torch.full((2,), 4.0))
+
+
+def test_exception_inside_context_leaves_clean_state():
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError):
+        with deferfuse.defer():
+            x.add_(1)
+            torch.ones(2) + torch.ones(3)  # shape error, raised on this line
+    assert deferfuse.get_mode() is EagerMode.STRICT
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    # the mutation before the error was applied, in program order
+    assert torch.equal(x, torch.full((3,), 2.0))
+
+
+def test_set_mode_sets_thread_default():
+    try:
+        deferfuse.set_mode("defer")
+        assert deferfuse.get_mode() is EagerMode.DEFER
+        y = torch.ones(2) * 5
+        assert isinstance(y, deferfuse.DeferredTensor)
+        assert y.sum().item() == 10.0
+    finally:
+        deferfuse.set_mode("strict")
+    assert type(torch.ones(2) * 5) is torch.Tensor
+
+
+def _run(args, env_extra=None, cwd=None):
+    env = dict(os.environ)
+    env.pop("TORCHTPU_MODE", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import deferfuse
+    y = torch.arange(4.0) * 2
+    print(__name__, sys.argv[1:], deferfuse.get_mode().value, type(y).__name__, y.sum().item())
+    if sys.argv[1:] == ["fail"]:
+        raise KeyError("from the script")
+    sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+""")
+
+
+def test_environment_variable_selects_mode(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = _run([str(script)], {"TORCHTPU_MODE": "DEFER_AND_FUSE"})
+    assert out.returncode == 0, out.stderr
+    assert "defer DeferredTensor 12.0" in out.stdout
+
+
+def test_bad_environment_variable_is_a_clear_error(tmp_path):
+    out = _run(["-c", "import deferfuse"], {"TORCHTPU_MODE": "turbo"})
+    assert out.returncode != 0
+    assert "TORCHTPU_MODE='turbo'" in out.stderr and "strict, debug, defer" in out.stderr
+
+
+def test_python_m_runs_script_like_python(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = _run(["-m", "deferfuse", "--mode", "defer", str(script), "7"], cwd=REPO)
+    assert out.returncode == 7, out.stderr
+    assert out.stdout.startswith("__main__ ['7'] defer DeferredTensor 12.0")
+    out = _run(["-m", "deferfuse", str(script), "fail"], cwd=REPO)
+    assert out.returncode == 1
+    assert "KeyError: 'from the script'" in out.stderr
+    assert f'File "{script}", line 7' in out.stderr
+    assert "runpy" not in out.stderr
+    out = _run(["-m", "deferfuse", "--mode", "strict", str(script)], cwd=REPO)
+    assert "strict Tensor 12.0" in out.stdout

@@ -1,0 +1,144 @@
+"""Observation points flush exactly what is needed, with the right reason."""
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import deferfuse
+from deferfuse.capture.tensor import DeferredTensor
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=True):
+        yield
+
+
+def flushes():
+    return deferfuse.stats()["flushes"]
+
+
+OBSERVERS = [
+    ("item", lambda t: t.sum().item(), "item"),
+    ("bool", lambda t: bool(t.sum() > 0), "item"),
+    ("int", lambda t: int(t.sum()), "item"),
+    ("float", lambda t: float(t.sum()), "item"),
+    ("tolist", lambda t: t.tolist(), "tolist"),
+    ("numpy", lambda t: t.numpy().tolist(), "numpy"),
+    ("asarray", lambda t: np.asarray(t).tolist(), "numpy"),
+    ("repr", lambda t: repr(t), "repr"),
+    ("str", lambda t: str(t), "repr"),
+    ("fstring", lambda t: f"{t}", "repr"),
+    ("data_ptr", lambda t: t.data_ptr() != 0, "data_ptr"),
+    ("equal", lambda t: torch.equal(t, t.clone()), "observing_op"),
+    ("nonzero", lambda t: torch.nonzero(t > 2).tolist(), "data_dependent"),
+    ("mask", lambda t: t[t > 2].tolist(), "data_dependent"),
+    ("masked_select", lambda t: torch.masked_select(t, t > 2).tolist(), "data_dependent"),
+    ("unique", lambda t: torch.unique(t.round()).tolist(), "data_dependent"),
+]
+
+
+@pytest.mark.parametrize("name,observe,reason", OBSERVERS, ids=[o[0] for o in OBSERVERS])
+def test_observation_flushes_with_reason(name, observe, reason):
+    x = torch.linspace(-1.0, 5.0, 12).reshape(3, 4)
+    expected = observe(x * 2 + (-1))
+    with deferfuse.defer():
+        y = x * 2 + (-1)
+        assert not deferfuse.is_materialized(y)
+        got = observe(y)
+        assert flushes().get(reason, 0) >= 1, flushes()
+    if isinstance(expected, str):
+        assert got == expected
+    else:
+        assert got == expected
+
+
+def test_if_on_tensor_flushes():
+    x = torch.ones(3)
+    with deferfuse.defer():
+        y = x * 2
+        branch = "yes" if (y > 1).all() else "no"
+    assert branch == "yes"
+    assert flushes()["item"] == 1
+
+
+def test_flush_computes_only_ancestors():
+    x = torch.ones(4)
+    with deferfuse.defer():
+        a = x + 1
+        b = x * 3           # independent of a
+        a.sum().item()
+        assert deferfuse.is_materialized(a)
+        assert not deferfuse.is_materialized(b)
+        c = b + (-1)
+    assert torch.equal(c, torch.full((4,), 2.0))
+
+
+def test_sync_specific_and_all():
+    x = torch.ones(2)
+    with deferfuse.defer():
+        a, b = x + 1, x + 2
+        deferfuse.sync(a)
+        assert deferfuse.is_materialized(a) and not deferfuse.is_materialized(b)
+        deferfuse.sync()
+        assert deferfuse.is_materialized(b)
+    assert flushes()["sync"] == 2
+
+
+def test_leaving_context_materializes():
+    x = torch.ones(2)
+    with deferfuse.defer():
+        a = x + 1
+    assert deferfuse.is_materialized(a)
+    assert flushes()["context_exit"] == 1
+
+
+def test_node_limit_bounds_pending_graph():
+    x = torch.ones(8)
+    with deferfuse.config.override(max_pending_nodes=50):
+        with deferfuse.defer():
+            y = x
+            for _ in range(200):
+                y = y + 1
+            assert flushes().get("node_limit", 0) >= 3
+    assert torch.equal(y, torch.full((8,), 201.0))
+
+
+def test_pickle_save_deepcopy_produce_plain_tensors():
+    x = torch.arange(6.0)
+    with deferfuse.defer():
+        y = x * 2
+        restored = pickle.loads(pickle.dumps(y))
+        buf = io.BytesIO()
+        torch.save(y, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        clone = copy.deepcopy(y)
+    for t in (restored, loaded, clone):
+        assert type(t) is torch.Tensor
+        assert torch.equal(t, x * 2)
+
+
+def test_repr_matches_strict_including_grad():
+    w = torch.ones(2, requires_grad=True)
+    with deferfuse.defer():
+        y = w * 2
+        text = repr(y)
+    assert text == repr(torch.ones(2, requires_grad=True) * 2)
+
+
+def test_deferred_tensors_work_after_context():
+    x = torch.ones(3)
+    with deferfuse.defer():
+        y = x * 2
+    z = y + 1                    # plain eager now
+    assert type(z) is torch.Tensor
+    y.add_(1)                    # in place, on the materialized data
+    assert isinstance(y, DeferredTensor)
+    assert torch.equal(y, torch.full((3,), 3.0))
+    assert torch.equal(z, torch.full((3,), 3.0))
