@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import os
 import threading
 from typing import Iterator, Optional, Union
@@ -99,9 +100,9 @@ def _discard_defer(handle) -> None:
     """After an exception: flush what user storages need, drop the rest, pop the mode."""
     try:
         _stop_defer(handle, FlushReason.CONTEXT_EXIT)
-    except Exception:
-        handle.recorder.active = False
-        handle.__exit__(None, None, None)
+    except Exception:  # noqa: BLE001 - the user's exception is the one to report
+        logging.getLogger("deferfuse").warning(
+            "flushing at the end of a defer block that raised also failed", exc_info=True)
 
 
 @contextlib.contextmanager

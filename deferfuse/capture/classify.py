@@ -26,7 +26,7 @@ class OpKind(enum.Enum):
 class OpInfo:
     kind: OpKind
     written: tuple[str, ...]        # names of arguments the op writes
-    scalar_args: frozenset[str]     # names of `Scalar`-typed arguments (runtime floats)
+    scalar_args: frozenset[str]     # arguments where a Python float is a runtime input
     arg_names: tuple[str, ...]      # positional order
     pointwise: bool
     random: bool
@@ -49,9 +49,13 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo:
     schema = op._schema
     tags = set(op.tags)
     written = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
-    scalar_args = frozenset(a.name for a in schema.arguments if _is_number_type(a.type))
     returns_tensors = all(_is_tensor_type(r.type) for r in schema.returns)
     is_factory = not any(_is_tensor_type(a.type) for a in schema.arguments)
+    # A Python float given where a number or a tensor is expected is data (x * lr), not structure:
+    # it becomes a runtime input of the compiled computation.  Factories' numbers shape their
+    # output (arange's end), so theirs stay static.
+    scalar_args = frozenset() if is_factory else frozenset(
+        a.name for a in schema.arguments if _is_number_type(a.type) or str(a.type) in ("Tensor", "Optional[Tensor]"))
     random = torch.Tag.nondeterministic_seeded in tags
     dynamic = torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
 
@@ -87,10 +91,8 @@ def functional_variant(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverl
     if torch.Tag.inplace in op.tags or (name.endswith("_") and not name.startswith("_")):
         base_name = name[:-1]
         skip: frozenset[str] = frozenset()
-        self_name = op._schema.arguments[0].name
-        wanted = tuple((n, t) for n, t in _argument_signature(op, skip))
-        # in-place: same arguments, self no longer written
-        del self_name
+        # in-place: the same arguments, with self no longer written
+        wanted = _argument_signature(op, skip)
     else:
         base_name = name
         skip = frozenset(info.written)

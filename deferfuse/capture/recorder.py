@@ -376,7 +376,9 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
                     extra_states.append(p)
                     targets.append(p.contents[1])
         all_states = states + extra_states
-        results = runtime.execute(nodes, targets) if nodes else [v.result for v in targets]
+        to_compute = [v for v in targets if v.result is None]
+        computed = iter(runtime.execute(nodes, to_compute) if to_compute else [])
+        results = [v.result if v.result is not None else next(computed) for v in targets]
         for s, value, result in zip(all_states, targets, results):
             flat = result.reshape(-1)
             if s.buffer is None:
