@@ -32,6 +32,7 @@ class OpInfo:
     random: bool
     dynamic: bool
     is_factory: bool                # takes no tensor arguments
+    returns: str                    # "one", "list" (Tensor[]) or "tuple"
 
 
 def _is_tensor_type(t: torch._C.JitType) -> bool:
@@ -73,8 +74,12 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo:
         kind = OpKind.DYNAMIC
     else:
         kind = OpKind.PURE
+    if len(schema.returns) == 1:
+        returns = "list" if str(schema.returns[0].type).startswith("List") else "one"
+    else:
+        returns = "tuple"
     return OpInfo(kind, written, scalar_args, tuple(a.name for a in schema.arguments),
-                  torch.Tag.pointwise in tags, random, dynamic, is_factory)
+                  torch.Tag.pointwise in tags, random, dynamic, is_factory, returns)
 
 
 def _argument_signature(op: torch._ops.OpOverload, skip: frozenset[str]) -> tuple:

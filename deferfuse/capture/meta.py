@@ -21,6 +21,7 @@ from ..stats import STATS
 @dataclasses.dataclass(frozen=True)
 class MetaEntry:
     outs: tuple[Optional[TensorMeta], ...]   # None for an output that is not a tensor
+    tensor_outs: tuple[TensorMeta, ...]      # the tensor outputs
     lowering: Optional[Lowering]              # None: no usable lowering
     reason: Optional[str]                     # why there is none
     ctx: LoweringContext
@@ -80,7 +81,8 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     result = op(*meta_args, **meta_kwargs)
     results = result if isinstance(result, (tuple, list)) else (result,)
     outs = tuple(_meta_of_output(r, device) for r in results)
-    ctx = LoweringContext(op, args, kwargs, tuple(o for o in outs if o is not None))
+    tensor_outs = tuple(o for o in outs if o is not None)
+    ctx = LoweringContext(op, args, kwargs, tensor_outs)
     lowering = get_lowering(op)
     reason: Optional[str] = None
     if lowering is None:
@@ -89,7 +91,7 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
         reason = lowering.check(ctx)
         if reason is not None:
             lowering = None
-    entry = MetaEntry(outs, lowering, reason, ctx)
+    entry = MetaEntry(outs, tensor_outs, lowering, reason, ctx)
     _CACHE[key] = entry
     return entry
 

@@ -16,7 +16,7 @@ eagerly after flushing their inputs (counted in stats().fallbacks).
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import os
 import sys
 import weakref
@@ -42,6 +42,8 @@ aten = torch.ops.aten
 # Storages with real memory, by data pointer, so every tensor over the same memory (a user
 # tensor, its views, a materialized deferred tensor) shares one StorageState.
 _STATES_BY_PTR: "weakref.WeakValueDictionary[int, StorageState]" = weakref.WeakValueDictionary()
+
+_epochs = itertools.count()
 
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["deferfuse"]))
 
@@ -82,6 +84,7 @@ class Recorder:
         self.record_source = config.get("record_source")
         self.max_pending = config.get("max_pending_nodes")
         self.active = True
+        self.epoch = next(_epochs)
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
@@ -115,11 +118,21 @@ class Recorder:
         self.pending_nodes += 1
         return _flatten_detached(state)
 
+    def _enter_epoch(self, state: StorageState) -> None:
+        # Between two defer contexts the memory behind a storage may have been written by plain
+        # torch code we never saw: what an earlier context read from it is stale.
+        if state.contents is None:
+            state.reads = {}
+            state.leaf = None
+        state.epoch = self.epoch
+
     def read(self, t: torch.Tensor) -> tuple[Value, TensorMeta]:
         if isinstance(t, DeferredTensor):
             state, m = t._storage, t._meta
         else:
             state, m = self.state_of_real(t), TensorMeta.of(t)
+        if state.epoch != self.epoch:
+            self._enter_epoch(state)
         value = state.reads.get(m)
         if value is None:
             flat = self.flat(state)
@@ -132,6 +145,8 @@ class Recorder:
             state, m = target._storage, target._meta
         else:
             state, m = self.state_of_real(target), TensorMeta.of(target)
+        if state.epoch != self.epoch:
+            self._enter_epoch(state)
         if value.meta.dtype != m.dtype:
             cast_meta = value.meta._replace(dtype=m.dtype)
             value = self._node(graph.CAST, (value, m.dtype), {}, (cast_meta,), (graph.CAST, m.dtype)).outputs[0]
@@ -212,10 +227,8 @@ class Recorder:
         vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
-        outs = tuple(o for o in entry.outs if o is not None)
-        node = self._node(func, vargs, vkw, outs, key, entry)
-        fresh = [self.fresh(v.meta, v) for v in node.outputs]
-        return _restructure_like(func, fresh)
+        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry)
+        return _restructure(info, [self.fresh(v.meta, v) for v in node.outputs])
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
         decomposition = _decomposition(func)
@@ -230,11 +243,10 @@ class Recorder:
         vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
         base = args[0]
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
-        outs = [o for o in entry.outs if o is not None]
+        outs = entry.tensor_outs
         if any(o.dtype != state.dtype for o in outs):
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
-        views = [DeferredTensor(o, state, self) for o in outs]
-        return _restructure_like(func, views)
+        return _restructure(info, [DeferredTensor(o, state, self) for o in outs])
 
     def record_mutation(self, func, info, args, kwargs) -> Any:
         # Validate the call itself (torch's broadcasting and casting errors) on meta tensors.
@@ -273,9 +285,8 @@ class Recorder:
             return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT, None)
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
-        outs = tuple(o for o in entry.outs if o is not None)
-        node = self._node(func, vargs, vkw, outs, key, entry)
-        return _restructure_like(func, [self.fresh(v.meta, v) for v in node.outputs])
+        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry)
+        return _restructure(info, [self.fresh(v.meta, v) for v in node.outputs])
 
     def run_observing(self, func, info, args, kwargs) -> Any:
         reason = FlushReason.ITEM if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) \
@@ -463,17 +474,11 @@ def _map_returned(out: Any, real_written: list, written: list) -> Any:
     return _map_tensors(out, swap)
 
 
-def _returns_sequence(func) -> bool:
-    returns = func._schema.returns
-    return len(returns) == 1 and str(returns[0].type).startswith("List")
-
-
-def _restructure_like(func, outs: list) -> Any:
-    if _returns_sequence(func):
-        return list(outs)
-    if len(func._schema.returns) == 1:
+def _restructure(info, outs: list) -> Any:
+    """Outputs in the structure the schema returns: one tensor, a list, or a tuple."""
+    if info.returns == "one":
         return outs[0]
-    return tuple(outs)
+    return list(outs) if info.returns == "list" else tuple(outs)
 
 
 class DeferMode(TorchDispatchMode):

@@ -71,7 +71,10 @@ class Node:
         self.key = key            # structural: op and static arguments, no value identities
         self.source = source      # "file:line" of the user code that recorded it
         self.lowering = lowering
-        self.outputs = tuple(Value(self, i, m) for i, m in enumerate(out_metas))
+        if len(out_metas) == 1:
+            self.outputs = (Value(self, 0, out_metas[0]),)
+        else:
+            self.outputs = tuple(Value(self, i, m) for i, m in enumerate(out_metas))
 
     def input_values(self) -> list[Value]:
         found: list[Value] = []
@@ -129,7 +132,7 @@ class StorageState:
     """
 
     __slots__ = ("buffer", "contents", "version", "numel", "dtype", "device", "reads", "leaf",
-                 "__weakref__")
+                 "epoch", "__weakref__")
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
                  buffer: Optional[torch.Tensor] = None, contents: Any = None) -> None:
@@ -143,6 +146,8 @@ class StorageState:
         self.reads: dict[TensorMeta, Value] = {}
         # graph input holding ``buffer`` while it is current
         self.leaf: Optional[Value] = None
+        # the defer context whose reads are cached: memory may change between contexts
+        self.epoch = -1
 
     def changed(self) -> None:
         """The contents or their representation changed: cached reads are stale."""
