@@ -17,7 +17,8 @@ import torch
 
 from . import config
 from .capture.tensor import DeferredTensor, is_materialized
-from .errors import DeferfuseError, FallbackReason, FlushReason, ModeError
+from . import errors
+from .errors import DeferfuseError, FallbackReason, FlushReason, LoweringError, ModeError
 from .modes import EagerMode, debug, defer, get_mode, mode, set_mode, strict
 from .stats import STATS as _STATS
 

@@ -9,7 +9,7 @@ from typing import Any
 class Stats:
     __slots__ = ("ops_recorded", "flushes", "executions", "compiles", "cache_hits", "cache_misses",
                  "fallbacks", "fallback_reasons", "decompositions", "eager_replays",
-                 "dlpack_copies", "meta_cache_hits", "meta_cache_misses")
+                 "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures")
 
     def __init__(self) -> None:
         self.reset()
@@ -28,6 +28,7 @@ class Stats:
         self.dlpack_copies = 0
         self.meta_cache_hits = 0
         self.meta_cache_misses = 0
+        self.lowering_failures = 0
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -232,3 +232,30 @@ def test_plain_writes_between_contexts_are_seen():
     assert c.tolist() == [10.0, 10.0, 10.0]
     assert d.tolist() == [5.0, 5.0]
     assert y.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_broken_lowering_replays_eagerly_unless_always_compile(monkeypatch):
+    from deferfuse.lower import registry
+    aten = torch.ops.aten
+    original = registry.get_lowering(aten.mul.Tensor)
+
+    def broken(ctx, *args, **kwargs):
+        raise ValueError("simulated lowering bug")
+
+    monkeypatch.setitem(registry.LOWERINGS, aten.mul.Tensor, registry.Lowering(aten.mul.Tensor, broken, original.check))
+    from deferfuse.capture import meta
+    meta.clear_cache()
+    from deferfuse.exec import runtime
+    runtime.clear_cache()
+    x = torch.arange(4.0)
+    with deferfuse.config.override(always_compile=False):
+        with deferfuse.defer():
+            y = x * 3 + 1
+    assert y.tolist() == [1.0, 4.0, 7.0, 10.0]
+    assert deferfuse.stats()["lowering_failures"] == 1
+    with deferfuse.config.override(always_compile=True):
+        with pytest.raises(deferfuse.errors.LoweringError, match=r"recorded at .*test_semantics.py:\d+.*simulated lowering bug"):
+            with deferfuse.defer():
+                y = x * 5 + 1
+    meta.clear_cache()
+    runtime.clear_cache()

@@ -276,7 +276,15 @@ def should_replay_eagerly(nodes: list[Node]) -> bool:
 def execute(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
     if should_replay_eagerly(nodes):
         return execute_eager(nodes, outputs)
-    return execute_xla(nodes, outputs)
+    if config.get("always_compile"):
+        return execute_xla(nodes, outputs)
+    try:
+        return execute_xla(nodes, outputs)
+    except LoweringError as exc:
+        # A lowering bug must not cost the user a correct result: replay this graph in torch.
+        STATS.lowering_failures += 1
+        log.warning("deferfuse: XLA lowering failed, running this graph eagerly instead: %s", exc)
+        return execute_eager(nodes, outputs)
 
 
 def clear_cache() -> None:
