@@ -23,7 +23,7 @@ from ..ir import graph
 from ..ir.graph import Node, Value
 from ..ir.meta import TensorMeta
 from ..lower import dtypes as dtypes_
-from ..lower.registry import RuntimeScalar
+from ..lower.registry import _CHECK_COLLECTORS, RuntimeScalar
 from ..lower.views import internal_rule
 from ..stats import STATS
 from . import interop
@@ -56,9 +56,13 @@ class Program:
         self.n_inputs = n_inputs
         self.steps = steps
         self.outputs = outputs
+        # (step index, error type, message) of each runtime check, filled while tracing
+        self.checks: list[tuple[int, type, str]] = []
 
-    def __call__(self, inputs: Sequence[jax.Array], scalars: jax.Array) -> list[jax.Array]:
+    def __call__(self, inputs: Sequence[jax.Array], scalars: jax.Array) -> tuple[list[jax.Array], jax.Array]:
         env: list[Any] = list(inputs)
+        flags: list[Any] = []
+        self.checks = []
 
         def resolve(a: Any) -> Any:
             if isinstance(a, _Ref):
@@ -67,11 +71,18 @@ class Program:
                 return type(a)(resolve(x) for x in a)
             return a
 
-        for step in self.steps:
+        for position, step in enumerate(self.steps):
+            collector: list = []
+            _CHECK_COLLECTORS.append(collector)
             try:
                 out = step.rule(step.ctx, *resolve(step.args), **{k: resolve(v) for k, v in step.kwargs.items()})
             except Exception as exc:
                 raise LoweringError(f"lowering {step.op} failed{_at(step.source)}: {type(exc).__name__}: {exc}") from exc
+            finally:
+                _CHECK_COLLECTORS.pop()
+            for flag, error, message in collector:
+                flags.append(flag)
+                self.checks.append((position, error, message))
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for local_id, meta, arr in zip(step.outs, step.out_metas, outs):
                 arr = jnp.asarray(arr)
@@ -83,7 +94,8 @@ class Program:
                                         f"{meta.shape}{_at(step.source)}")
                 env.append(arr)
                 assert len(env) - 1 == local_id
-        return [env[i] for i in self.outputs]
+        failed = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
+        return [env[i] for i in self.outputs], failed
 
 
 def _at(source: Optional[str]) -> str:
@@ -91,11 +103,12 @@ def _at(source: Optional[str]) -> str:
 
 
 class _Compiled:
-    __slots__ = ("executable", "n_scalars")
+    __slots__ = ("executable", "n_scalars", "checks")
 
-    def __init__(self, executable: Any, n_scalars: int) -> None:
+    def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]]) -> None:
         self.executable = executable
         self.n_scalars = n_scalars
+        self.checks = checks
 
 
 _EXECUTABLES: dict[Any, _Compiled] = {}
@@ -180,7 +193,7 @@ def _compile(program: Program, leaves: list[Value], n_scalars: int) -> _Compiled
         lowered = jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
         executable = lowered.compile()
     STATS.compiles += 1
-    return _Compiled(executable, n_scalars)
+    return _Compiled(executable, n_scalars, list(program.checks))
 
 
 def _profile(name: str):
@@ -198,11 +211,19 @@ def execute_xla(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
         STATS.cache_hits += 1
     with _x64(), _profile("deferfuse.execute"):
         inputs = [interop.to_jax(v.result) for v in leaves]
-        results = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
+        results, failed = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
         # DLPack export does not wait for the computation: torch must not see unfinished buffers
         jax.block_until_ready(results)
     STATS.executions += 1
+    if compiled.checks:
+        _raise_failed_checks(np.asarray(failed), compiled.checks, nodes)
     return [interop.to_torch(r) for r in results]
+
+
+def _raise_failed_checks(failed: np.ndarray, checks: list[tuple[int, type, str]], nodes: list[Node]) -> None:
+    for flag, (position, error, message) in zip(failed, checks):
+        if flag:
+            raise error(f"{message}{_at(nodes[position].source)}")
 
 
 def _eager_args(a: Any) -> Any:

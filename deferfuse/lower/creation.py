@@ -1,3 +1,316 @@
-"""creation lowerings."""
+"""Creation lowerings: factories (zeros, full, arange, linspace, eye, ...) and their *_like and
+new_* forms.
+
+A factory's output shape and dtype come from ``ctx.out`` (torch inferred them on meta tensors),
+so the rules only compute values.  Their Scalar arguments may arrive as Python numbers or as 0-d
+float64 JAX values (runtime scalars); every rule here treats them as traced values, never
+branching on them in Python.
+
+arange and linspace follow torch's CPU kernels (RangeFactoriesKernel.cpp) closely enough that
+integer results are exact:
+- arange computes ``start + i * step`` in the accumulate type (int64 for integer outputs, with a
+  float ``start``/``step`` truncated to an integer first; float64 for float outputs).
+- linspace computes ``start + step * i`` for the first half and ``end - step * (steps - i - 1)``
+  for the second, in the output's own type (double for integer outputs), and the compiler fuses
+  each into one fused multiply-add, rounded once.  We measured this on torch 2.13: modelling the
+  single rounding matches torch bit for bit for int32/int64/float32/float64, while rounding the
+  product first disagrees for ~10% of integer linspaces.
+- empty* contents are unspecified in torch; we produce zeros.
+"""
 
 from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torch.utils._python_dispatch import _disable_current_modes
+
+from . import dtypes as _dtypes
+from .registry import LoweringContext, lowering
+
+aten = torch.ops.aten
+
+_F64 = jnp.dtype(jnp.float64)
+_I64 = jnp.dtype(jnp.int64)
+_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def _check_strided(ctx: LoweringContext) -> Optional[str]:
+    if ctx.kwargs.get("layout") not in (None, torch.strided):
+        return "only strided layouts are lowered"
+    if not all(_dtypes.is_supported(o.dtype) for o in ctx.out):
+        return f"dtype {ctx.out[0].dtype} has no JAX equivalent"
+    return None
+
+
+def _check_real(ctx: LoweringContext) -> Optional[str]:
+    if ctx.out[0].dtype.is_complex:
+        return "complex ranges are not lowered"
+    return _check_strided(ctx)
+
+
+def _scalar(value, dtype):
+    """A Scalar argument converted as ``Scalar::to<dtype>()`` does (truncating floats for
+    integer types, nonzero test for bool)."""
+    value = jnp.asarray(value)
+    if jnp.dtype(dtype) == jnp.bool_:
+        return value != 0
+    return value.astype(dtype)
+
+
+# -- constant fills ------------------------------------------------------------------------------
+
+def _filled(ctx: LoweringContext, value):
+    return jnp.full(ctx.out_shape, _scalar(value, ctx.out_dtype), ctx.out_dtype)
+
+
+@lowering(aten.zeros.default, aten.empty.memory_format, aten.empty_strided.default,
+          aten.zeros_like.default, aten.empty_like.default,
+          aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
+          check=_check_strided)
+def zeros(ctx, *args, **kwargs):
+    return jnp.zeros(ctx.out_shape, ctx.out_dtype)
+
+
+@lowering(aten.ones.default, aten.ones_like.default, aten.new_ones.default, check=_check_strided)
+def ones(ctx, *args, **kwargs):
+    return jnp.ones(ctx.out_shape, ctx.out_dtype)
+
+
+def _check_fill(ctx: LoweringContext) -> Optional[str]:
+    fill = ctx.args[2] if ctx.op is aten.new_full.default else ctx.args[-1]
+    if isinstance(fill, complex):
+        return "complex fill values are not lowered"
+    if ctx.op is aten.full.default:
+        # full refuses values the dtype cannot hold (1e20 as float16, 300 as uint8) where the
+        # meta kernel does not, except on its one-element fast path.  A factory's fill value is
+        # static, so replaying the call at (at most) two elements raises what torch raises.
+        shape = ctx.out_shape if ctx.out[0].numel < 2 else [2]
+        with _disable_current_modes():
+            ctx.op(list(shape), fill, **ctx.kwargs)
+    return _check_strided(ctx)
+
+
+@lowering(aten.full.default, check=_check_fill)
+def full(ctx, size, fill_value, **kwargs):
+    return _filled(ctx, fill_value)
+
+
+@lowering(aten.full_like.default, check=_check_fill)
+def full_like(ctx, x, fill_value, **kwargs):
+    return _filled(ctx, fill_value)
+
+
+@lowering(aten.new_full.default, check=_check_fill)
+def new_full(ctx, x, size, fill_value, **kwargs):
+    return _filled(ctx, fill_value)
+
+
+@lowering(aten.scalar_tensor.default, check=_check_fill)
+def scalar_tensor(ctx, s, **kwargs):
+    return _filled(ctx, s)
+
+
+@lowering(aten.eye.default, aten.eye.m, check=_check_strided)
+def eye(ctx, *args, **kwargs):
+    n, m = ctx.out_shape
+    return jnp.eye(n, m, dtype=ctx.out_dtype)
+
+
+# -- ranges --------------------------------------------------------------------------------------
+
+def _split(a):
+    """Veltkamp split of float64 ``a`` into a high part of 26 significant bits and the rest, so
+    that each part times an integer below 2**26 is exact."""
+    t = a * 134217729.0  # 2**27 + 1
+    high = t - (t - a)
+    return high, a - high
+
+
+def _fma_f64(a, b, c):
+    """a * b + c rounded once (as a hardware FMA does), for float64 ``a`` and ``c`` and integral
+    float64 ``b`` below 2**26: the product is kept as an exact double-double sum."""
+    a_high, a_low = _split(a)
+    p_high, p_low = a_high * b, a_low * b          # both exact
+    s = c + p_high
+    # TwoSum: the exact rounding error of c + p_high
+    bv = s - c
+    err = (c - (s - bv)) + (p_high - bv)
+    return s + (err + p_low)
+
+
+_GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: below it, parallel_for runs one chunk
+
+
+def _arange_base_index(n: int, lanes: int) -> np.ndarray:
+    """For each element of an arange, the index its value is computed from.
+
+    torch's CPU arange fills each parallel chunk with SIMD vectors of ``lanes`` elements, two at a
+    time, computing a vector's first element as ``start + step * i0`` and the rest as that value
+    (rounded to the output type) plus ``j * step``; the chunk's tail is scalar code.  So element i
+    has base index i0 and offset i - i0."""
+    i = np.arange(n)
+    threads = torch.get_num_threads()
+    if n <= _GRAIN_SIZE or threads == 1:
+        chunks = [(0, n)]
+    else:  # at::parallel_for's split
+        threads = min(threads, -(-n // _GRAIN_SIZE))
+        size = -(-n // threads)
+        chunks = [(b, min(n, b + size)) for b in range(0, n, size)]
+    base = i.copy()
+    for begin, end in chunks:
+        vectorized = (i >= begin) & (i < begin + (end - begin) // (2 * lanes) * (2 * lanes))
+        base[vectorized] = begin + (i[vectorized] - begin) // lanes * lanes
+    return base
+
+
+@functools.cache
+def _simd_bytes() -> int:
+    """The SIMD width torch's arange kernel uses on this machine, measured once: it is not what
+    torch.backends.cpu.get_cpu_capability() suggests (AVX512 machines still run 32-byte vectors
+    for arange on torch 2.13)."""
+    start, step, n = 0.3, 0.1, 200
+    with _disable_current_modes():
+        probe = torch.arange(start, start + step * (n - 0.5), step, dtype=torch.float32).numpy()
+    for lanes in (8, 16, 4, 32):
+        base = _arange_base_index(n, lanes)
+        first = (start + step * base).astype(np.float32).astype(np.float64)
+        if np.array_equal(probe, (first + step * (np.arange(n) - base)).astype(np.float32)):
+            return lanes * 4
+    return 32
+
+
+def _arange(ctx: LoweringContext, start, step):
+    (n,) = ctx.out_shape
+    dtype = ctx.out_dtype
+    if jnp.issubdtype(dtype, jnp.integer):
+        # The accumulate type of integers is int64: start and step are truncated to integers
+        # before the (exact, wrapping) integer arithmetic.
+        i = lax.iota(_I64, n)
+        return _scalar(start, _I64) + i * _scalar(step, _I64)
+    base = _arange_base_index(n, _simd_bytes() // jnp.dtype(dtype).itemsize)
+    offset = jnp.asarray(np.arange(n) - base, _F64)
+    base = jnp.asarray(base, _F64)
+    if dtype in _HALF_TYPES:
+        # float16/bfloat16 accumulate in float; their tolerance covers how that rounds.
+        start, step = _scalar(start, jnp.float32), _scalar(step, jnp.float32)
+        first = (start + step * base.astype(jnp.float32)).astype(dtype)
+        return first.astype(jnp.float32) + offset.astype(jnp.float32) * step
+    # float32/64 accumulate in double, and the kernel's multiply-adds are fused (one rounding).
+    start, step = _scalar(start, _F64), _scalar(step, _F64)
+    first = _fma_f64(step, base, start).astype(dtype).astype(_F64)
+    return _fma_f64(step, offset, first)
+
+
+def _raise_like_cpu(ctx: LoweringContext) -> str:
+    """Run the factory call for real so that torch raises its own exception at record time
+    (the meta kernels accept dtypes that the CPU kernels reject, such as a bool arange)."""
+    with _disable_current_modes():
+        ctx.op(*ctx.args, **ctx.kwargs)
+    return "the meta and CPU kernels disagree on this call"
+
+
+def _check_range(ctx: LoweringContext) -> Optional[str]:
+    if ctx.out[0].dtype == torch.bool:
+        return _raise_like_cpu(ctx)
+    return _check_real(ctx)
+
+
+@lowering(aten.arange.default, check=_check_range)
+def arange(ctx, end, **kwargs):
+    return _arange(ctx, 0, 1)
+
+
+@lowering(aten.arange.start, check=_check_range)
+def arange_start(ctx, start, end, **kwargs):
+    return _arange(ctx, start, 1)
+
+
+@lowering(aten.arange.start_step, check=_check_range)
+def arange_start_step(ctx, start, end, step=1, **kwargs):
+    return _arange(ctx, start, step)
+
+
+@lowering(aten.linspace.default, check=_check_range)
+def linspace(ctx, start, end, steps, **kwargs):
+    dtype = ctx.out_dtype
+    if steps <= 1:
+        return jnp.full(ctx.out_shape, _scalar(start, dtype), dtype)
+    i = np.arange(steps)
+    halfway = steps // 2
+    head = i < halfway
+    if dtype in _HALF_TYPES:
+        # c10::Half arithmetic rounds every intermediate to the type itself.
+        start, end = _scalar(start, dtype), _scalar(end, dtype)
+        step = (end - start) / jnp.asarray(steps - 1, dtype)
+        k = jnp.asarray(np.where(head, i, steps - i - 1), dtype)
+        return jnp.where(head, start + step * k, end - step * k)
+    if jnp.dtype(dtype) == jnp.float32:
+        # step * i is exact in double for i < 2**29, so one rounding of the sum to float32
+        # stands for the fused multiply-add (up to rare double-rounding ties).
+        start, end = _scalar(start, dtype), _scalar(end, dtype)
+        step = ((end - start) / np.float32(steps - 1)).astype(_F64)
+        k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
+        values = jnp.where(head, start.astype(_F64) + step * k, end.astype(_F64) - step * k)
+        return values.astype(dtype)
+    # float64 and integer outputs compute in double; integers truncate the result.
+    if jnp.issubdtype(dtype, jnp.integer):
+        start, end = _scalar(start, dtype).astype(_F64), _scalar(end, dtype).astype(_F64)
+    else:
+        start, end = _scalar(start, _F64), _scalar(end, _F64)
+    step = (end - start) / float(steps - 1)
+    if steps > 2 ** 26:
+        k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
+        values = jnp.where(head, start + step * k, end - step * k)
+    else:
+        k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
+        values = jnp.where(head, _fma_f64(step, k, start), _fma_f64(-step, k, end))
+    return values.astype(dtype)
+
+
+def _check_logspace(ctx: LoweringContext) -> Optional[str]:
+    if ctx.out[0].dtype == torch.bool:
+        return _raise_like_cpu(ctx)
+    if not ctx.out[0].dtype.is_floating_point:
+        # torch truncates pow() results; XLA's pow is not exact at integral exponents.
+        return "integer logspace is not lowered"
+    return _check_real(ctx)
+
+
+@lowering(aten.logspace.default, check=_check_logspace)
+def logspace(ctx, start, end, steps, base=10.0, **kwargs):
+    dtype = ctx.out_dtype
+    if steps <= 1:
+        return jnp.full(ctx.out_shape, jnp.power(base, _scalar(start, _F64)), dtype)
+    # torch: start and end in the output type, their difference too; the step and the
+    # exponent in double.
+    start, end = _scalar(start, dtype), _scalar(end, dtype)
+    step = (end - start).astype(_F64) / float(steps - 1)
+    i = np.arange(steps)
+    head = i < steps // 2
+    k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
+    exponent = jnp.where(head, start.astype(_F64) + step * k, end.astype(_F64) - step * k)
+    return jnp.power(jnp.asarray(base, _F64), exponent)
+
+
+# -- index factories -----------------------------------------------------------------------------
+
+def _tri_indices(row: int, col: int, offset: int, lower: bool) -> np.ndarray:
+    r, c = np.indices((row, col))
+    keep = (c - r <= offset) if lower else (c - r >= offset)
+    return np.stack([r[keep], c[keep]])  # row-major order, as torch lists them
+
+
+@lowering(aten.tril_indices.default, check=_check_strided)
+def tril_indices(ctx, row, col, offset=0, **kwargs):
+    return jnp.asarray(_tri_indices(row, col, offset, True).reshape(ctx.out_shape), ctx.out_dtype)
+
+
+@lowering(aten.triu_indices.default, check=_check_strided)
+def triu_indices(ctx, row, col, offset=0, **kwargs):
+    return jnp.asarray(_tri_indices(row, col, offset, False).reshape(ctx.out_shape), ctx.out_dtype)

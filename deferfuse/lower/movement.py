@@ -58,6 +58,20 @@ def _meta_of(t: torch.Tensor) -> TensorMeta:
                       t.untyped_storage().nbytes() // t.element_size())
 
 
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _expandable(shape, target) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without changing it (torch's is_expandable_to)."""
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
+
+
 # -- concatenation and padding -----------------------------------------------------------------
 @lowering(aten.cat.default)
 def cat(ctx, tensors, dim=0):
@@ -219,6 +233,13 @@ _VIEW_OF_SCATTER = {
 
 
 def _check_view_scatter(ctx):
+    args, kwargs = ctx.meta_args()
+    view = _VIEW_OF_SCATTER[ctx.op](args[0], *args[2:], **kwargs)
+    if view.shape != args[1].shape:
+        # torch's meta functions for these ops skip this check, which its CPU kernels make;
+        # raise it at record time rather than let the rule broadcast src
+        raise RuntimeError(f"expected src to have a size equal to the slice of self. src size = "
+                           f"{list(args[1].shape)}, slice size = {list(view.shape)}")
     if ctx.op is aten.as_strided_scatter.default and not ctx.out[0].covers_storage:
         return "as_strided_scatter into a result that does not cover its storage"
     return None
@@ -393,17 +414,23 @@ def _mask_put_layout(ctx):
     if tuple(x.shape[pos:pos + k]) != tuple(mask.shape):
         return "mask shape differs from the indexed dims"
     # x[mask] has shape x.shape[:pos] + (nnz,) + x.shape[pos+k:]; values must be 1 along nnz
-    along_nnz = len(values.shape) - (len(x.shape) - k + 1 - pos)
-    if along_nnz >= 0 and values.shape[along_nnz] != 1:
-        return "values differ between the selected elements (data-dependent)"
+    selected = tuple(x.shape[:pos]) + (1,) + tuple(x.shape[pos + k:])
+    if not _expandable(values.shape, selected):
+        return "values differ between the selected elements (data-dependent), or do not broadcast"
     return pos, k
 
 
 def _check_index_put(ctx):
-    if not any(_is_mask(ix) for ix in _arg(ctx, 1, "indices")):
-        return None
-    layout = _mask_put_layout(ctx)
-    return layout if isinstance(layout, str) else None
+    # Values that do not broadcast are declined, so that torch raises its own error eagerly:
+    # the meta function of index_put does not check them.
+    indices, values = _arg(ctx, 1, "indices"), _arg(ctx, 2, "values")
+    if any(_is_mask(ix) for ix in indices):
+        layout = _mask_put_layout(ctx)
+        return layout if isinstance(layout, str) else None
+    args, _ = ctx.meta_args()
+    if not _expandable(values.shape, aten.index.Tensor(args[0], args[1]).shape):
+        return "values do not broadcast to the indexed shape"
+    return None
 
 
 @lowering(aten.index_put.default, aten._unsafe_index_put.default, check=_check_index_put)
@@ -431,7 +458,14 @@ def _along_dim(x, dim: int, index) -> tuple:
     return (slice(None),) * dim + (_wrap(index.reshape(-1), x.shape[dim]),)
 
 
-@lowering(aten.index_select.default)
+def _check_vector_index(ctx):
+    if len(_arg(ctx, 2, "index").shape) > 1:
+        # the meta function lets a 2-d index through; torch's kernel raises
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    return None
+
+
+@lowering(aten.index_select.default, check=_check_vector_index)
 def index_select(ctx, x, dim, index):
     x1, = _at_least_1d(x)
     dim = _dim(dim, x.ndim)
@@ -448,7 +482,23 @@ def _index_update(x, dim, index, update):
     return x1, where, update
 
 
-@lowering(aten.index_add.default)
+def _check_index_source(ctx):
+    """torch's checks of index_add / index_reduce that their meta functions skip."""
+    x, dim, index, source = ctx.args[0], ctx.args[1], ctx.args[2], ctx.args[3]
+    name = ctx.op._schema.name.split("::")[-1]
+    dim = _dim(dim, len(x.shape))
+    numel = _numel(index.shape)
+    if len(index.shape) > 1:
+        raise IndexError(f"{name}_(): Index is supposed to be a vector, but got dim: {len(index.shape)}")
+    if numel != (source.shape[dim] if source.shape else 1):
+        raise RuntimeError(f"{name}_(): Number of indices ({numel}) should be equal to source.size(dim)")
+    if x.shape[:dim] + x.shape[dim + 1:] != source.shape[:dim] + source.shape[dim + 1:]:
+        raise RuntimeError(f"source tensor shape must match self tensor shape, excluding the specified "
+                           f"dimension. Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
+    return None
+
+
+@lowering(aten.index_add.default, check=_check_index_source)
 def index_add(ctx, x, dim, index, source, *, alpha=1):
     dtype = _arith_dtype(x.dtype)
     x1, where, source = _index_update(x.astype(dtype), dim, index, source.astype(dtype))
@@ -469,7 +519,7 @@ def index_fill(ctx, x, dim, index, value):
     return x1.at[where].set(_fill(value, x.dtype)).reshape(x.shape)
 
 
-@lowering(aten.index_reduce.default)
+@lowering(aten.index_reduce.default, check=_check_index_source)
 def index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
     x1, where, source = _index_update(x, dim, index, source)
     return _scatter_reduce(x1, where, source, reduce, include_self).reshape(x.shape)
@@ -487,7 +537,15 @@ def take(ctx, x, index):
     return x.reshape(-1).at[_wrap(index, x.size)].get(mode="clip")
 
 
-@lowering(aten.put.default)
+def _check_put(ctx):
+    index, source = ctx.args[1], ctx.args[2]
+    if _numel(index.shape) != _numel(source.shape):
+        raise IndexError("put_(): Expected source and index to have the same number of elements, but got "
+                         f"source.numel() = {_numel(source.shape)}, index.numel() = {_numel(index.shape)}")
+    return None
+
+
+@lowering(aten.put.default, check=_check_put)
 def put(ctx, x, index, source, accumulate=False):
     dtype = _arith_dtype(x.dtype) if accumulate else x.dtype
     flat, where = x.astype(dtype).reshape(-1), _wrap(index.reshape(-1), x.size)
@@ -580,3 +638,8 @@ def _check_searchsorted(ctx):
 @lowering(aten.searchsorted.Tensor, aten.searchsorted.Scalar, check=_check_searchsorted)
 def searchsorted(ctx, sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
     return _searchsorted(ctx, sequence, values, right, side, sorter)
+
+
+@lowering(aten.bucketize.Tensor, aten.bucketize.Scalar, check=_check_searchsorted)
+def bucketize(ctx, values, boundaries, *, out_int32=False, right=False):
+    return _searchsorted(ctx, boundaries, values, right, None, None)

@@ -1,30 +1,594 @@
-"""Pointwise lowerings: arithmetic, math, comparison, logical, bitwise, casts."""
+"""Pointwise lowerings: arithmetic, math, comparison, logical, bitwise, casts and activations.
+
+Each rule follows torch's CPU kernel for its dtype handling:
+  * arithmetic computes in ``ctx.compute_dtype`` (float32 for float16/bfloat16, as torch's
+    "opmath" does), and Python scalars are converted to that dtype first;
+  * comparisons, min/max, clamp and where are exact, so they work in the promoted dtype, where
+    a scalar rounds to the tensor's dtype as it does in torch (half(x) < 0.1 compares halves);
+  * math that maps integers to floats (sin, div, atan2, ...) computes in the result dtype,
+    widened to float32 for float16/bfloat16.
+
+Checkers decline complex dtypes.  Most also run torch's own CPU kernel on tiny tensors of the
+same dtypes (``_probe``): meta functions accept dtype combinations the kernels reject (gelu of
+int64, abs of bool, int64 ** -1), and declining would hand those to a decomposition that
+computes something instead of raising what strict mode raises.
+"""
 
 from __future__ import annotations
 
+import math
+import platform
+import warnings
+
 import jax.numpy as jnp
-
+import numpy as np
 import torch
+from jax import lax
+from torch.utils._python_dispatch import _disable_current_modes
 
-from .registry import lowering
+from . import dtypes as _dtypes
+from .registry import RuntimeScalar, lowering
+from ..ir.meta import TensorMeta
 
 aten = torch.ops.aten
 
-
-def _operands(ctx, *xs):
-    dt = ctx.compute_dtype
-    return [jnp.asarray(x).astype(dt) if not hasattr(x, "dtype") or x.dtype != dt else x for x in xs]
+_REDUCED_FLOATS = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
-@lowering(aten.add.Tensor, aten.add.Scalar)
+# -- checkers --------------------------------------------------------------------------------------
+def _dtype_reason(ctx):
+    for m in [*ctx.tensor_args(), *ctx.out]:
+        if m.dtype.is_complex:
+            return "complex dtypes are not lowered"
+        if not _dtypes.is_supported(m.dtype):
+            return f"dtype {m.dtype} has no JAX equivalent"
+    return None
+
+
+def _tiny(a):
+    if isinstance(a, TensorMeta):
+        return torch.ones(tuple(min(s, 2) for s in a.shape), dtype=a.dtype)
+    if isinstance(a, RuntimeScalar):
+        return a.value
+    if type(a) in (list, tuple):
+        return type(a)(_tiny(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _tiny(v) for k, v in a.items()}
+    return a
+
+
+def _probe(ctx):
+    """Raise what torch's CPU kernel raises for these dtypes and static arguments.  Sizes are
+    capped at 2 (broadcasting and halving still work) and values are ones (no division by zero),
+    so only dtype and argument errors can fire, as they do even for empty tensors."""
+    if any(m.device.type != "cpu" for m in ctx.tensor_args()):
+        return
+    with _disable_current_modes(), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx.op(*_tiny(ctx.args), **_tiny(ctx.kwargs))
+
+
+def _check(ctx):
+    reason = _dtype_reason(ctx)
+    if reason is None:
+        _probe(ctx)
+    return reason
+
+
+# -- dtype helpers ---------------------------------------------------------------------------------
+def _opmath(dt):
+    dt = jnp.dtype(dt)
+    return jnp.dtype(jnp.float32) if dt in _REDUCED_FLOATS else dt
+
+
+def _is_float(dt) -> bool:
+    return jnp.issubdtype(dt, jnp.floating)
+
+
+def _is_int(dt) -> bool:
+    return jnp.issubdtype(dt, jnp.integer)
+
+
+def _as(dt, *xs):
+    """Arrays and Python/traced scalars as arrays of dtype ``dt``."""
+    out = [x if getattr(x, "dtype", None) == dt else jnp.asarray(x).astype(dt) for x in xs]
+    return out[0] if len(out) == 1 else out
+
+
+def _through(common, *xs):
+    """Operands as torch's kernels read them: cast to the op's common dtype (a scalar rounds to
+    float16 there), then widened to the computation dtype (float32 for float16/bfloat16)."""
+    common = jnp.dtype(common)
+    out = [_as(_opmath(common), _as(common, x)) for x in xs]
+    return out[0] if len(out) == 1 else out
+
+
+def _wide(common, *xs):
+    """Scalars that torch's kernels convert straight to the computation dtype, unrounded
+    (mul/div by a scalar, lerp weights, addcmul values, activation parameters)."""
+    return _as(_opmath(common), *xs)
+
+
+def _second_operand(common, y):
+    # torch's CPU mul and div read a 0-d second operand (Python scalar or 0-dim tensor) at
+    # computation precision; add, sub, remainder and comparisons round it to the common dtype
+    return _wide(common, y) if jnp.ndim(y) == 0 else _through(common, y)
+
+
+def _promoted(ctx, *xs):
+    return _as(ctx.promoted_dtype, *xs)
+
+
+# torch's CPU casts from floating to integral types are C++ static_casts; on x86 an out-of-range
+# value or NaN becomes the "integer indefinite" INT_MIN of a 32-bit (or, for 64-bit targets,
+# 64-bit) conversion, which narrower types then truncate.  XLA saturates instead.
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def _convert(x, dt):
+    x = jnp.asarray(x)
+    dt = jnp.dtype(dt)
+    if not (_X86 and _is_float(x.dtype) and _is_int(dt)):
+        return x.astype(dt)
+    wide = jnp.int64 if dt.itemsize == 8 or dt == jnp.uint32 else jnp.int32
+    info = jnp.iinfo(wide)
+    xf = x.astype(jnp.float32) if x.dtype in _REDUCED_FLOATS else x
+    in_range = (xf >= float(info.min)) & (xf < -float(info.min))
+    y = jnp.where(in_range, jnp.where(in_range, xf, 0).astype(wide), info.min)
+    return y.astype(dt)
+
+
+# -- arithmetic ------------------------------------------------------------------------------------
+@lowering(aten.add.Tensor, aten.add.Scalar, check=_check)
 def add(ctx, x, y, alpha=1):
-    x, y = _operands(ctx, x, y)
-    if not (isinstance(alpha, (int, float)) and alpha == 1):
-        y = y * jnp.asarray(alpha).astype(y.dtype)
-    return x + y
+    x, y, alpha = _through(ctx.promoted_dtype, x, y, alpha)
+    return x + alpha * y
 
 
-@lowering(aten.mul.Tensor, aten.mul.Scalar)
+@lowering(aten.sub.Tensor, aten.sub.Scalar, check=_check)
+def sub(ctx, x, y, alpha=1):
+    x, y, alpha = _through(ctx.promoted_dtype, x, y, alpha)
+    return x - alpha * y
+
+
+@lowering(aten.rsub.Tensor, aten.rsub.Scalar, check=_check)
+def rsub(ctx, x, y, alpha=1):
+    x, y, alpha = _through(ctx.promoted_dtype, x, y, alpha)
+    return y - alpha * x
+
+
+@lowering(aten.mul.Tensor, aten.mul.Scalar, check=_check)
 def mul(ctx, x, y):
-    x, y = _operands(ctx, x, y)
+    x, y = _through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
     return x * y
+
+
+@lowering(aten.div.Tensor, aten.div.Scalar, check=_check)
+def div(ctx, x, y):
+    # the common dtype of true division is floating (int / int gives float32)
+    x, y = _through(ctx.out_dtype, x), _second_operand(ctx.out_dtype, y)
+    return x / y
+
+
+def _floor_divide(x, y):
+    x, y = jnp.broadcast_arrays(x, y)
+    if not _is_float(x.dtype):
+        # integer division by zero raises in torch; XLA cannot raise, it returns a value
+        return jnp.floor_divide(x, y)
+    # Python's algorithm, as torch's div_floor_floating uses: exact where floor(x / y) is not
+    mod = lax.rem(x, y)
+    quotient = (x - mod) / y
+    quotient = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), quotient - 1, quotient)
+    floored = jnp.floor(quotient)
+    floored = jnp.where(quotient - floored > 0.5, floored + 1, floored)
+    floored = jnp.where(quotient != 0, floored, jnp.copysign(jnp.zeros_like(x), x / y))
+    return jnp.where(y == 0, x / y, floored)
+
+
+@lowering(aten.div.Tensor_mode, aten.div.Scalar_mode, check=_check)
+def div_mode(ctx, x, y, *, rounding_mode=None):
+    if rounding_mode is None:
+        return div(ctx, x, y)
+    x, y = _through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
+    if rounding_mode == "trunc":
+        return jnp.trunc(x / y) if _is_float(x.dtype) else lax.div(x, y)
+    return _floor_divide(x, y)
+
+
+@lowering(aten.floor_divide.default, aten.floor_divide.Scalar, check=_check)
+def floor_divide(ctx, x, y):
+    return _floor_divide(_through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y))
+
+
+@lowering(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=_check)
+def remainder(ctx, x, y):
+    x, y = jnp.broadcast_arrays(*_through(ctx.promoted_dtype, x, y))
+    mod = lax.rem(x, y)
+    return jnp.where((mod != 0) & ((y < 0) != (mod < 0)), mod + y, mod)
+
+
+@lowering(aten.fmod.Tensor, aten.fmod.Scalar, check=_check)
+def fmod(ctx, x, y):
+    return lax.rem(*jnp.broadcast_arrays(*_through(ctx.promoted_dtype, x, y)))
+
+
+def _integer_power(base, exponent):
+    """torch's integer pow: exponentiation by squaring with wrap-around; a negative exponent
+    gives 1 for base 1, +-1 for base -1 and 0 otherwise."""
+    nbits = exponent.dtype.itemsize * 8
+
+    def square_step(_, carry):
+        result, b, e = carry
+        result = jnp.where((e & 1) == 1, result * b, result)
+        return result, b * b, e >> 1
+
+    e = jnp.where(exponent < 0, 0, exponent)
+    result, _, _ = lax.fori_loop(0, nbits, square_step, (jnp.ones_like(base), base, e))
+    if not jnp.issubdtype(exponent.dtype, jnp.signedinteger):
+        return result
+    odd = (exponent & 1) == 1
+    negative = jnp.where(base == 1, 1, jnp.where(base == -1, jnp.where(odd, -1, 1), 0)).astype(base.dtype)
+    return jnp.where(exponent < 0, negative, result)
+
+
+@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, check=_check)
+def pow_(ctx, base, exponent):
+    common = ctx.promoted_dtype
+    static_exponent = isinstance(exponent, int) and not isinstance(exponent, bool)
+    if static_exponent and exponent >= 0:
+        # repeated multiplication: exact for integers (wrapping), and as torch special-cases x ** 2
+        return lax.integer_pow(_through(common, base), exponent)
+    base, exponent = _through(common, base, exponent)
+    if _is_int(common):
+        return _integer_power(*jnp.broadcast_arrays(base, exponent))
+    return jnp.power(base, exponent)
+
+
+# -- unary math ------------------------------------------------------------------------------------
+def _sigmoid(x):
+    return 1 / (1 + jnp.exp(-x))
+
+
+def _digamma(x):
+    # torch: digamma(+-0) = -+inf; JAX gives nan at the pole
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x).astype(x.dtype), lax.digamma(x))
+
+
+def _exp2(x):
+    if x.dtype == jnp.float64:
+        return jnp.exp2(x)
+    # XLA's exp2(x) = exp(x ln 2) loses ~|x| ulps to the rounding of x ln 2 (2e-6 relative at x=100);
+    # splitting off the integer part keeps the product small and the scaling exact
+    n = jnp.round(x)
+    finite = jnp.isfinite(x)
+    scaled = jnp.ldexp(jnp.exp((x - n) * math.log(2)), jnp.where(finite, n, 0).astype(jnp.int32))
+    return jnp.where(finite, scaled, jnp.where(x > 0, x, jnp.where(x != x, x, 0)))
+
+
+_FLOAT_UNARY = {
+    aten.exp.default: jnp.exp, aten.exp2.default: _exp2, aten.expm1.default: jnp.expm1,
+    aten.log.default: jnp.log, aten.log2.default: jnp.log2, aten.log10.default: jnp.log10,
+    aten.log1p.default: jnp.log1p, aten.sqrt.default: jnp.sqrt,
+    aten.rsqrt.default: lambda x: 1 / jnp.sqrt(x), aten.reciprocal.default: lambda x: 1 / x,
+    aten.sin.default: jnp.sin, aten.cos.default: jnp.cos, aten.tan.default: jnp.tan,
+    aten.asin.default: jnp.arcsin, aten.acos.default: jnp.arccos, aten.atan.default: jnp.arctan,
+    aten.sinh.default: jnp.sinh, aten.cosh.default: jnp.cosh, aten.tanh.default: jnp.tanh,
+    aten.asinh.default: jnp.arcsinh, aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
+    aten.erf.default: lax.erf, aten.erfc.default: lax.erfc, aten.erfinv.default: lax.erf_inv,
+    aten.lgamma.default: lax.lgamma, aten.digamma.default: _digamma,
+    aten.sigmoid.default: _sigmoid,
+}
+
+
+def _float_unary_rule(fn):
+    def rule(ctx, x):
+        return fn(_through(ctx.out_dtype, x))
+    rule.__qualname__ = f"float_unary[{getattr(fn, '__name__', 'fn')}]"
+    return rule
+
+
+for _op, _fn in _FLOAT_UNARY.items():
+    lowering(_op, check=_check)(_float_unary_rule(_fn))
+
+
+def _sign(x):
+    if x.dtype == jnp.bool_:
+        return x
+    # not jnp.sign: torch's sign of NaN is 0
+    return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
+
+
+def _integers_unchanged(fn):
+    return lambda x: fn(x) if _is_float(x.dtype) else x
+
+
+_SAME_DTYPE_UNARY = {
+    aten.neg.default: jnp.negative, aten.abs.default: jnp.abs,
+    aten.sign.default: _sign, aten.sgn.default: _sign,
+    aten.floor.default: _integers_unchanged(jnp.floor), aten.ceil.default: _integers_unchanged(jnp.ceil),
+    aten.trunc.default: _integers_unchanged(jnp.trunc),
+    aten.round.default: _integers_unchanged(jnp.round),  # half to even, like nearbyint
+    aten.frac.default: lambda x: x - jnp.trunc(x),
+    aten.bitwise_not.default: jnp.invert,
+}
+
+
+def _same_dtype_unary_rule(fn):
+    def rule(ctx, x):
+        return fn(_through(ctx.out_dtype, x))
+    rule.__qualname__ = f"same_dtype_unary[{getattr(fn, '__name__', 'fn')}]"
+    return rule
+
+
+for _op, _fn in _SAME_DTYPE_UNARY.items():
+    lowering(_op, check=_check)(_same_dtype_unary_rule(_fn))
+
+
+@lowering(aten.round.decimals, check=_check)
+def round_decimals(ctx, x, *, decimals):
+    x = _through(ctx.out_dtype, x)
+    scale = np.asarray(10.0 ** abs(decimals), dtype=x.dtype)
+    if decimals < 0:
+        return jnp.round(x / scale) * scale
+    return jnp.round(x * scale) / scale
+
+
+def _logit_bounds(dt, eps):
+    # torch: lo = eps and hi = 1 - eps in the tensor's dtype (in bfloat16, 1 - 1e-3 is 1)
+    low = _as(dt, eps)
+    return _through(dt, low, 1 - _wide(dt, low))
+
+
+@lowering(aten.logit.default, check=_check)
+def logit(ctx, x, eps=None):
+    x = _through(ctx.out_dtype, x)
+    if eps is not None and eps >= 0:
+        low, high = _logit_bounds(ctx.out_dtype, eps)
+        x = jnp.where(x < low, low, jnp.where(x > high, high, x))
+    return jnp.log(x / (1 - x))
+
+
+@lowering(aten.isnan.default, check=_check)
+def isnan(ctx, x):
+    return x != x
+
+
+@lowering(aten.isinf.default, check=_check)
+def isinf(ctx, x):
+    return jnp.isinf(x) if _is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
+
+
+@lowering(aten.isposinf.default, check=_check)
+def isposinf(ctx, x):
+    return x == jnp.inf if _is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
+
+
+@lowering(aten.isneginf.default, check=_check)
+def isneginf(ctx, x):
+    return x == -jnp.inf if _is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
+
+
+@lowering(aten.signbit.default, check=_check)
+def signbit(ctx, x):
+    if _is_float(x.dtype):
+        return jnp.signbit(x)
+    return x < 0 if jnp.issubdtype(x.dtype, jnp.signedinteger) else jnp.zeros(x.shape, jnp.bool_)
+
+
+@lowering(aten.nan_to_num.default, check=_check)
+def nan_to_num(ctx, x, nan=None, posinf=None, neginf=None):
+    if not _is_float(x.dtype):
+        return x
+    info = jnp.finfo(x.dtype)
+    nan, posinf, neginf = _as(x.dtype, 0.0 if nan is None else nan, info.max if posinf is None else posinf,
+                              info.min if neginf is None else neginf)
+    return jnp.where(x != x, nan, jnp.where(x == jnp.inf, posinf, jnp.where(x == -jnp.inf, neginf, x)))
+
+
+# -- binary math -----------------------------------------------------------------------------------
+def _xlogy(x, y):
+    return jnp.where(y != y, jnp.nan, jnp.where(x == 0, 0, x * jnp.log(y))).astype(x.dtype)
+
+
+def _logaddexp(x, y, log1p_exp, scale):
+    m = jnp.maximum(x, y)
+    both_inf = jnp.isinf(x) & (x == y)
+    return jnp.where(both_inf, x, m + log1p_exp(-jnp.abs(x - y)) * scale)
+
+
+_FLOAT_BINARY = {
+    aten.atan2.default: jnp.arctan2, aten.hypot.default: jnp.hypot,
+    aten.copysign.Tensor: jnp.copysign, aten.copysign.Scalar: jnp.copysign,
+    aten.xlogy.Tensor: _xlogy, aten.xlogy.Scalar_Self: _xlogy, aten.xlogy.Scalar_Other: _xlogy,
+    aten.logaddexp.default: lambda x, y: _logaddexp(x, y, lambda d: jnp.log1p(jnp.exp(d)), 1),
+    aten.logaddexp2.default: lambda x, y: _logaddexp(x, y, lambda d: jnp.log1p(jnp.exp2(d)), 1 / math.log(2)),
+}
+
+
+def _float_binary_rule(fn):
+    def rule(ctx, x, y):
+        return fn(*_through(ctx.out_dtype, x, y))
+    rule.__qualname__ = f"float_binary[{getattr(fn, '__name__', 'fn')}]"
+    return rule
+
+
+for _op, _fn in _FLOAT_BINARY.items():
+    lowering(_op, check=_check)(_float_binary_rule(_fn))
+
+
+@lowering(aten.heaviside.default, check=_check)
+def heaviside(ctx, x, values):
+    x, values = _promoted(ctx, x, values)
+    return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
+
+
+# maximum/minimum propagate NaN (as lax.max/min do); fmax/fmin ignore it.
+_EXACT_BINARY = {
+    aten.maximum.default: jnp.maximum, aten.minimum.default: jnp.minimum,
+    aten.fmax.default: jnp.fmax, aten.fmin.default: jnp.fmin,
+    aten.eq.Tensor: jnp.equal, aten.eq.Scalar: jnp.equal,
+    aten.ne.Tensor: jnp.not_equal, aten.ne.Scalar: jnp.not_equal,
+    aten.lt.Tensor: jnp.less, aten.lt.Scalar: jnp.less,
+    aten.le.Tensor: jnp.less_equal, aten.le.Scalar: jnp.less_equal,
+    aten.gt.Tensor: jnp.greater, aten.gt.Scalar: jnp.greater,
+    aten.ge.Tensor: jnp.greater_equal, aten.ge.Scalar: jnp.greater_equal,
+}
+
+
+def _exact_binary_rule(fn):
+    def rule(ctx, x, y):
+        return fn(*_promoted(ctx, x, y))
+    rule.__qualname__ = f"exact_binary[{fn.__name__}]"
+    return rule
+
+
+for _op, _fn in _EXACT_BINARY.items():
+    lowering(_op, check=_check)(_exact_binary_rule(_fn))
+
+
+# -- logical and bitwise ---------------------------------------------------------------------------
+def _truth(x):
+    x = jnp.asarray(x)
+    return x if x.dtype == jnp.bool_ else x != 0
+
+
+@lowering(aten.logical_not.default, check=_check)
+def logical_not(ctx, x):
+    return ~_truth(x)
+
+
+_LOGICAL = {aten.logical_and.default: jnp.logical_and, aten.logical_or.default: jnp.logical_or,
+            aten.logical_xor.default: jnp.logical_xor}
+
+
+def _logical_rule(fn):
+    def rule(ctx, x, y):
+        return fn(_truth(x), _truth(y))
+    rule.__qualname__ = f"logical[{fn.__name__}]"
+    return rule
+
+
+for _op, _fn in _LOGICAL.items():
+    lowering(_op, check=_check)(_logical_rule(_fn))
+
+
+def _shift_left(x, s):
+    # torch: a shift by a negative amount or by the width or more gives 0
+    nbits = x.dtype.itemsize * 8
+    out_of_range = (s < 0) | (s >= nbits)
+    return jnp.where(out_of_range, 0, lax.shift_left(x, jnp.where(out_of_range, 0, s))).astype(x.dtype)
+
+
+def _shift_right(x, s):
+    # torch: out-of-range shifts keep only the sign (arithmetic shift for signed types)
+    max_shift = x.dtype.itemsize * 8 - (1 if jnp.issubdtype(x.dtype, jnp.signedinteger) else 0)
+    out_of_range = (s < 0) | (s >= max_shift)
+    return jnp.where(out_of_range, jnp.right_shift(x, max_shift), jnp.right_shift(x, jnp.where(out_of_range, 0, s)))
+
+
+_BITWISE = {}
+for _name, _fn in (("bitwise_and", jnp.bitwise_and), ("bitwise_or", jnp.bitwise_or),
+                   ("bitwise_xor", jnp.bitwise_xor), ("bitwise_left_shift", _shift_left),
+                   ("bitwise_right_shift", _shift_right)):
+    for _overload in ("Tensor", "Scalar", "Tensor_Scalar", "Scalar_Tensor"):
+        if _overload in getattr(aten, _name).overloads():
+            _BITWISE[getattr(getattr(aten, _name), _overload)] = _fn
+_BITWISE.update({aten.__lshift__.Tensor: _shift_left, aten.__lshift__.Scalar: _shift_left,
+                 aten.__rshift__.Tensor: _shift_right, aten.__rshift__.Scalar: _shift_right})
+
+
+def _bitwise_rule(fn):
+    def rule(ctx, x, y):
+        x, y = _promoted(ctx, x, y)
+        return fn(*jnp.broadcast_arrays(x, y))
+    rule.__qualname__ = f"bitwise[{fn.__name__}]"
+    return rule
+
+
+for _op, _fn in _BITWISE.items():
+    lowering(_op, check=_check)(_bitwise_rule(_fn))
+
+
+# -- clamp, where, lerp, addcmul -------------------------------------------------------------------
+@lowering(aten.clamp.default, aten.clamp.Tensor, check=_check)
+def clamp(ctx, x, min=None, max=None):
+    dt = ctx.out_dtype
+    x = _as(dt, x)
+    if min is not None:
+        x = jnp.maximum(x, _as(dt, min))
+    if max is not None:
+        x = jnp.minimum(x, _as(dt, max))
+    return x
+
+
+@lowering(aten.clamp_min.default, aten.clamp_min.Tensor, check=_check)
+def clamp_min(ctx, x, min):
+    return clamp(ctx, x, min=min)
+
+
+@lowering(aten.clamp_max.default, aten.clamp_max.Tensor, check=_check)
+def clamp_max(ctx, x, max):
+    return clamp(ctx, x, max=max)
+
+
+@lowering(aten.where.self, check=_check)
+def where(ctx, condition, x, y):
+    x, y = _as(ctx.out_dtype, x, y)
+    return jnp.where(_truth(condition), x, y)
+
+
+def _lerp(start, end, weight):
+    # torch's two-sided form: exact at weight 0 and at weight 1
+    return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start),
+                     end - (end - start) * (1 - weight))
+
+
+@lowering(aten.lerp.Scalar, aten.lerp.Tensor, check=_check)
+def lerp(ctx, start, end, weight):
+    start, end = _through(ctx.out_dtype, start, end)
+    weight = _second_operand(ctx.out_dtype, weight) if ctx.op is aten.lerp.Scalar else _through(ctx.out_dtype, weight)
+    return _lerp(start, end, weight)
+
+
+@lowering(aten.addcmul.default, check=_check)
+def addcmul(ctx, x, t1, t2, *, value=1):
+    x, t1, t2 = _through(ctx.promoted_dtype, x, t1, t2)
+    value = _wide(ctx.promoted_dtype, value)
+    return x + value * t1 * t2
+
+
+@lowering(aten.addcdiv.default, check=_check)
+def addcdiv(ctx, x, t1, t2, *, value=1):
+    x, t1, t2 = _through(ctx.promoted_dtype, x, t1, t2)
+    value = _wide(ctx.promoted_dtype, value)
+    return x + value * t1 / t2
+
+
+# -- casts and copies ------------------------------------------------------------------------------
+@lowering(aten._to_copy.default, check=_dtype_reason)
+def to_copy(ctx, x, **_ignored):
+    # layout, device and memory format do not change values; the core lays the result out
+    return _convert(x, ctx.out_dtype)
+
+
+@lowering(aten.clone.default, check=_dtype_reason)
+def clone(ctx, x, **_ignored):
+    return x
+
+
+@lowering(aten.copy.default, check=_check)
+def copy(ctx, x, src, non_blocking=False):
+    return _convert(jnp.broadcast_to(src, x.shape), ctx.out_dtype)
+
+
+@lowering(aten.fill.Scalar, aten.fill.Tensor, check=_check)
+def fill(ctx, x, value):
+    return jnp.broadcast_to(_convert(value, ctx.out_dtype), x.shape)
+
+
+@lowering(aten.zero.default, check=_dtype_reason)
+def zero(ctx, x):
+    return jnp.zeros(x.shape, ctx.out_dtype)
+
+
+from . import activation  # noqa: E402,F401  (registers the activation lowerings)

@@ -1,3 +1,633 @@
-"""reduction lowerings."""
+"""Reduction and normalization lowerings: sum/mean/prod, max/min and their indices, var/std,
+any/all, logsumexp, cumulative sums and products, softmax, layer and batch norm, vector norms.
+
+Conventions shared by the rules below:
+- torch's CPU kernels accumulate float16 and bfloat16 in float32 (``_acc_dtype``); integer and
+  bool sums and products accumulate in int64 because that is the output dtype torch infers, which
+  ``ctx.out_dtype`` already says.  Results are cast back to torch's dtype by the caller.
+- An empty ``dim`` list means "every dim" for most reductions, but "no dim" for any/all.dims, so
+  ``_axes`` takes that choice as an argument.  A 0-dim tensor accepts dim 0 and -1 and reduces
+  over nothing.
+- Where the meta kernel accepts a call that the CPU kernel rejects (max of an empty tensor,
+  var of an integer tensor, ...), the checker replays the call on CPU stand-ins so the user gets
+  torch's own exception at record time (``_raise_like_cpu``); the meta-derived shapes would
+  otherwise let the call through.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..ir.meta import TensorMeta
+from . import dtypes as _dtypes
+from .registry import LoweringContext, RuntimeScalar, lowering
+
+aten = torch.ops.aten
+
+_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def _acc_dtype(dtype) -> np.dtype:
+    """The dtype torch's CPU kernels accumulate ``dtype`` in."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype in _HALF_TYPES else dtype
+
+
+def _axes(ndim: int, dim: Any, *, empty_means_all: bool = True) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    if len(dim) == 0:
+        return tuple(range(ndim)) if empty_means_all else ()
+    if ndim == 0:
+        return ()
+    return tuple(sorted({d % ndim for d in dim}))
+
+
+def _count(shape: Sequence[int], axes: Sequence[int]) -> int:
+    return math.prod(shape[a] for a in axes)
+
+
+def _arg(ctx: LoweringContext, name: str, default: Any = None) -> Any:
+    """An argument of the call by its schema name, whether passed by position or keyword."""
+    for i, a in enumerate(ctx.op._schema.arguments):
+        if a.name == name:
+            if not a.kwarg_only and i < len(ctx.args):
+                return ctx.args[i]
+            return ctx.kwargs.get(name, default)
+    raise KeyError(name)
+
+
+def _raise_like_cpu(ctx: LoweringContext) -> str:
+    """Replay the call on zero-filled CPU stand-ins of its tensors so that torch raises its own
+    exception here.  Returns a decline reason if the CPU kernel accepts the call after all."""
+    def stand_in(a: Any) -> Any:
+        if isinstance(a, TensorMeta):
+            return torch.zeros((), dtype=a.dtype).expand(a.shape)
+        if isinstance(a, RuntimeScalar):
+            return a.value
+        if type(a) in (list, tuple):
+            return type(a)(stand_in(x) for x in a)
+        return a
+    with _disable_current_modes():
+        ctx.op(*stand_in(ctx.args), **{k: stand_in(v) for k, v in ctx.kwargs.items()})
+    return "the meta and CPU kernels disagree on this call"
+
+
+def _tensor_dtypes(ctx: LoweringContext) -> list[torch.dtype]:
+    return [t.dtype for t in ctx.tensor_args()]
+
+
+def _real_only(ctx: LoweringContext) -> Optional[str]:
+    if any(dt.is_complex for dt in _tensor_dtypes(ctx)) or any(o.dtype.is_complex for o in ctx.out):
+        return "complex dtypes are not lowered"
+    return None
+
+
+def _floating_only(ctx: LoweringContext) -> Optional[str]:
+    """For ops whose CPU kernels reject integer and bool inputs that the meta kernels accept."""
+    reason = _real_only(ctx)
+    if reason is None and not ctx.args[0].dtype.is_floating_point:
+        return _raise_like_cpu(ctx)
+    return reason
+
+
+def _max_with_identity(x, axes, keepdims):
+    # An explicit identity lets zero-size reductions trace; it never wins against real data
+    # (XLA's max propagates NaN).
+    return jnp.max(x, axis=axes, keepdims=keepdims, initial=-jnp.inf)
+
+
+# -- sum, mean, prod -----------------------------------------------------------------------------
+
+@lowering(aten.sum.default, aten.sum.dim_IntList, check=_real_only)
+def sum_(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.sum(x.astype(_acc_dtype(ctx.out_dtype)), axis=_axes(x.ndim, dim), keepdims=keepdim)
+
+
+@lowering(aten.nansum.default, check=_real_only)
+def nansum(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    x = x.astype(_acc_dtype(ctx.out_dtype))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), x)
+    return jnp.sum(x, axis=_axes(x.ndim, dim), keepdims=keepdim)
+
+
+@lowering(aten.mean.default, aten.mean.dim, check=_real_only)
+def mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    axes = _axes(x.ndim, dim)
+    acc = _acc_dtype(ctx.out_dtype)
+    # sum / n as torch does; n == 0 gives 0/0 = nan, like torch's mean of an empty tensor.
+    total = jnp.sum(x.astype(acc), axis=axes, keepdims=keepdim)
+    return total / jnp.asarray(_count(x.shape, axes), acc)
+
+
+@lowering(aten.prod.default, aten.prod.dim_int, check=_real_only)
+def prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return jnp.prod(x.astype(_acc_dtype(ctx.out_dtype)), axis=_axes(x.ndim, dim), keepdims=keepdim)
+
+
+@lowering(aten.count_nonzero.default, aten.count_nonzero.dim_IntList, check=_real_only)
+def count_nonzero(ctx, x, dim=None):
+    return jnp.sum(x != 0, axis=_axes(x.ndim, dim), dtype=jnp.int64)
+
+
+# -- max, min and their indices ------------------------------------------------------------------
+# XLA's max/min propagate NaN and its argmax/argmin pick the first NaN, else the first extreme
+# value, which is what torch's CPU kernels do.
+
+@lowering(aten.amax.default, check=_real_only)
+def amax(ctx, x, dim=(), keepdim=False):
+    return jnp.max(x, axis=_axes(x.ndim, dim), keepdims=keepdim)
+
+
+@lowering(aten.amin.default, check=_real_only)
+def amin(ctx, x, dim=(), keepdim=False):
+    return jnp.min(x, axis=_axes(x.ndim, dim), keepdims=keepdim)
+
+
+def _check_full_reduction(ctx: LoweringContext) -> Optional[str]:
+    # The meta kernel returns a 0-dim tensor for an empty input; the CPU kernel raises.
+    if ctx.args[0].numel == 0:
+        return _raise_like_cpu(ctx)
+    return _real_only(ctx)
+
+
+@lowering(aten.max.default, check=_check_full_reduction)
+def max_(ctx, x):
+    return jnp.max(x)
+
+
+@lowering(aten.min.default, check=_check_full_reduction)
+def min_(ctx, x):
+    return jnp.min(x)
+
+
+def _check_reduced_dim_nonempty(ctx: LoweringContext) -> Optional[str]:
+    # CPU raises IndexError when the reduced dim has size 0; the meta kernel does not.
+    x, dim = ctx.args[0], _arg(ctx, "dim")
+    if x.shape and x.shape[dim % len(x.shape)] == 0:
+        return _raise_like_cpu(ctx)
+    return _real_only(ctx)
+
+
+def _check_aminmax(ctx: LoweringContext) -> Optional[str]:
+    if _arg(ctx, "dim") is None:
+        return _check_full_reduction(ctx)
+    return _check_reduced_dim_nonempty(ctx)
+
+
+@lowering(aten.aminmax.default, check=_check_aminmax)
+def aminmax(ctx, x, *, dim=None, keepdim=False):
+    axes = _axes(x.ndim, dim)
+    return jnp.min(x, axis=axes, keepdims=keepdim), jnp.max(x, axis=axes, keepdims=keepdim)
+
+
+def _extreme_with_index(x, dim: int, keepdim: bool, find_max: bool):
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    axis = dim % x.ndim
+    arg = jnp.argmax if find_max else jnp.argmin
+    index = arg(x, axis=axis, keepdims=True)
+    values = jnp.take_along_axis(x, index, axis=axis)
+    if not keepdim:
+        index, values = jnp.squeeze(index, axis), jnp.squeeze(values, axis)
+    return values, index
+
+
+@lowering(aten.max.dim, check=_check_reduced_dim_nonempty)
+def max_dim(ctx, x, dim, keepdim=False):
+    return _extreme_with_index(x, dim, keepdim, find_max=True)
+
+
+@lowering(aten.min.dim, check=_check_reduced_dim_nonempty)
+def min_dim(ctx, x, dim, keepdim=False):
+    return _extreme_with_index(x, dim, keepdim, find_max=False)
+
+
+def _check_arg_extreme(ctx: LoweringContext) -> Optional[str]:
+    if ctx.args[0].dtype == torch.bool:
+        return _raise_like_cpu(ctx)          # CPU: "does not support bool input"
+    if _arg(ctx, "dim") is not None:
+        return _check_reduced_dim_nonempty(ctx)
+    return _real_only(ctx)
+
+
+def _arg_extreme(ctx, x, dim, keepdim, find_max: bool):
+    arg = jnp.argmax if find_max else jnp.argmin
+    if dim is None or x.ndim == 0:
+        # over the flattened tensor; keepdim keeps every dim as size 1 (ctx.out_shape says so)
+        return arg(x.reshape(-1)).reshape(ctx.out_shape)
+    return arg(x, axis=dim % x.ndim, keepdims=keepdim)
+
+
+@lowering(aten.argmax.default, check=_check_arg_extreme)
+def argmax(ctx, x, dim=None, keepdim=False):
+    return _arg_extreme(ctx, x, dim, keepdim, find_max=True)
+
+
+@lowering(aten.argmin.default, check=_check_arg_extreme)
+def argmin(ctx, x, dim=None, keepdim=False):
+    return _arg_extreme(ctx, x, dim, keepdim, find_max=False)
+
+
+# -- var, std ------------------------------------------------------------------------------------
+
+def _var_mean(x, dim, correction, keepdim):
+    """(variance, mean) in the accumulation dtype.  ``correction`` is an int, None (meaning 1),
+    or a runtime float; the divisor is max(n - correction, 0) as in torch, so n <= correction
+    gives inf or nan."""
+    axes = _axes(x.ndim, dim)
+    x = x.astype(_acc_dtype(x.dtype))
+    n = _count(x.shape, axes)
+    mean_kept = jnp.sum(x, axis=axes, keepdims=True) / jnp.asarray(n, x.dtype)
+    centred = x - mean_kept
+    squares = jnp.sum(centred * centred, axis=axes, keepdims=True)
+    correction = 1 if correction is None else correction
+    divisor = jnp.maximum(jnp.asarray(n - correction, x.dtype), 0)
+    variance, mean_kept = squares / divisor, _welford_mean(x, mean_kept, axes)
+    if not keepdim:
+        variance, mean_kept = jnp.squeeze(variance, axes), jnp.squeeze(mean_kept, axes)
+    return variance, mean_kept
+
+
+def _welford_mean(x, mean_kept, axes):
+    """The mean that var_mean returns.  torch computes it with Welford's update
+    m += (x - m) / k, where an infinite element turns every later update into inf - inf = nan:
+    the mean is infinite only when the single infinite element is the last one reduced."""
+    if not axes or _count(x.shape, axes) == 0:
+        return mean_kept
+    infinite = jnp.sum(jnp.isinf(x), axis=axes, keepdims=True)
+    last = x[tuple(slice(-1, None) if d in axes else slice(None) for d in range(x.ndim))]
+    keep = (infinite == 0) | ((infinite == 1) & jnp.isinf(last))
+    return jnp.where(keep, mean_kept, jnp.asarray(jnp.nan, x.dtype))
+
+
+@lowering(aten.var.correction, check=_floating_only)
+def var(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return _var_mean(x, dim, correction, keepdim)[0]
+
+
+@lowering(aten.std.correction, check=_floating_only)
+def std(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return jnp.sqrt(_var_mean(x, dim, correction, keepdim)[0])
+
+
+@lowering(aten.var_mean.correction, check=_floating_only)
+def var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return _var_mean(x, dim, correction, keepdim)
+
+
+@lowering(aten.std_mean.correction, check=_floating_only)
+def std_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
+    variance, mean_ = _var_mean(x, dim, correction, keepdim)
+    return jnp.sqrt(variance), mean_
+
+
+# -- any, all ------------------------------------------------------------------------------------
+# The result is bool (uint8 for uint8 inputs: the caller's cast of a bool gives 0/1).  NaN is
+# nonzero, hence true, as in torch.
+
+@lowering(aten.any.default, aten.any.dim, aten.any.dims, check=_real_only)
+def any_(ctx, x, dim=None, keepdim=False):
+    return jnp.any(x != 0, axis=_axes(x.ndim, dim, empty_means_all=False), keepdims=keepdim)
+
+
+@lowering(aten.all.default, aten.all.dim, aten.all.dims, check=_real_only)
+def all_(ctx, x, dim=None, keepdim=False):
+    return jnp.all(x != 0, axis=_axes(x.ndim, dim, empty_means_all=False), keepdims=keepdim)
+
+
+# -- logsumexp -----------------------------------------------------------------------------------
+
+def _check_logsumexp(ctx: LoweringContext) -> Optional[str]:
+    if len(_arg(ctx, "dim")) == 0:
+        return _raise_like_cpu(ctx)   # CPU rejects dim=[]; the meta kernel returns a shape
+    return _real_only(ctx)
+
+
+@lowering(aten.logsumexp.default, check=_check_logsumexp)
+def logsumexp(ctx, x, dim, keepdim=False):
+    axes = _axes(x.ndim, dim)
+    x = x.astype(_acc_dtype(ctx.out_dtype))
+    # torch shifts by the max, with infinite maxima replaced by 0 so that all -inf rows give
+    # -inf (not nan) and a +inf anywhere gives +inf.
+    shift = _max_with_identity(x, axes, keepdims=True)
+    shift = jnp.where(jnp.isinf(shift), jnp.zeros((), x.dtype), shift)
+    total = jnp.sum(jnp.exp(x - shift), axis=axes, keepdims=True)
+    out = jnp.log(total) + shift
+    return out if keepdim else jnp.squeeze(out, axes)
+
+
+# -- cumulative ----------------------------------------------------------------------------------
+
+def _cumulative(ctx, x, dim, op):
+    x = x.astype(_acc_dtype(ctx.out_dtype))
+    if x.ndim == 0:
+        return x
+    return op(x, axis=dim % x.ndim)
+
+
+@lowering(aten.cumsum.default, check=_real_only)
+def cumsum(ctx, x, dim, *, dtype=None):
+    return _cumulative(ctx, x, dim, jnp.cumsum)
+
+
+@lowering(aten.cumprod.default, check=_real_only)
+def cumprod(ctx, x, dim, *, dtype=None):
+    return _cumulative(ctx, x, dim, jnp.cumprod)
+
+
+# -- softmax -------------------------------------------------------------------------------------
+# Written out rather than through jax.nn so that edge cases follow torch's formula: a row that is
+# all -inf, or holds +inf or nan, becomes nan.
+
+def _check_softmax(ctx: LoweringContext) -> Optional[str]:
+    x = ctx.args[0]
+    if _arg(ctx, "half_to_float") and x.device.type == "cpu":
+        return _raise_like_cpu(ctx)   # CPU does not support it; the meta kernel does
+    return _real_only(ctx)
+
+
+def _shifted(x, dim):
+    axes = _axes(x.ndim, dim)
+    x = x.astype(_acc_dtype(x.dtype))
+    return x - _max_with_identity(x, axes, keepdims=True), axes
+
+
+@lowering(aten._softmax.default, check=_check_softmax)
+def softmax(ctx, x, dim, half_to_float):
+    shifted, axes = _shifted(x, dim)
+    e = jnp.exp(shifted)
+    return e / jnp.sum(e, axis=axes, keepdims=True)
+
+
+@lowering(aten._log_softmax.default, check=_check_softmax)
+def log_softmax(ctx, x, dim, half_to_float):
+    shifted, axes = _shifted(x, dim)
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
+
+
+def _check_softmax_backward(ctx: LoweringContext) -> Optional[str]:
+    grad, input_dtype = ctx.args[0], _arg(ctx, "input_dtype")
+    if grad.dtype != input_dtype or ctx.args[1].dtype != grad.dtype:
+        # CPU raises for most mixed dtypes, and where it does not, its result dtype differs from
+        # the meta kernel's, which the recorded metadata follows.
+        return _raise_like_cpu(ctx)
+    return _real_only(ctx)
+
+
+@lowering(aten._softmax_backward_data.default, check=_check_softmax_backward)
+def softmax_backward(ctx, grad, output, dim, input_dtype):
+    acc = _acc_dtype(grad.dtype)
+    grad, output = grad.astype(acc), output.astype(acc)
+    axes = _axes(grad.ndim, dim)
+    return output * (grad - jnp.sum(grad * output, axis=axes, keepdims=True))
+
+
+@lowering(aten._log_softmax_backward_data.default, check=_check_softmax_backward)
+def log_softmax_backward(ctx, grad, output, dim, input_dtype):
+    acc = _acc_dtype(grad.dtype)
+    grad, output = grad.astype(acc), output.astype(acc)
+    axes = _axes(grad.ndim, dim)
+    return grad - jnp.exp(output) * jnp.sum(grad, axis=axes, keepdims=True)
+
+
+# -- layer norm ----------------------------------------------------------------------------------
+
+def _affine(out, weight, bias, shape_of_param):
+    if weight is not None:
+        out = out * weight.astype(out.dtype).reshape(shape_of_param)
+    if bias is not None:
+        out = out + bias.astype(out.dtype).reshape(shape_of_param)
+    return out
+
+
+@lowering(aten.native_layer_norm.default, check=_real_only)
+def native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    x = x.astype(_acc_dtype(x.dtype))
+    n = _count(x.shape, axes)
+    # torch gives mean 0 (and rstd nan) when normalized_shape is empty of elements
+    mean_ = jnp.sum(x, axis=axes, keepdims=True) / jnp.asarray(max(n, 1), x.dtype)
+    centred = x - mean_
+    variance = jnp.sum(centred * centred, axis=axes, keepdims=True) / jnp.asarray(n, x.dtype)
+    rstd = lax.rsqrt(variance + jnp.asarray(eps, x.dtype))
+    out = _affine(centred * rstd, weight, bias, tuple(normalized_shape))
+    return out, mean_, rstd
+
+
+def _check_all_outputs(ctx: LoweringContext) -> Optional[str]:
+    # A masked-out gradient is None in torch's result; the recorder keeps tensor outputs only,
+    # so partial masks go to the decomposition, which returns the Nones itself.
+    if not all(_arg(ctx, "output_mask")) or _arg(ctx, "weight") is None:
+        return "only the full output_mask with a weight is lowered"
+    return _real_only(ctx)
+
+
+@lowering(aten.native_layer_norm_backward.default, check=_check_all_outputs)
+def native_layer_norm_backward(ctx, grad_out, x, normalized_shape, mean_, rstd, weight, bias,
+                               output_mask):
+    acc = _acc_dtype(x.dtype)
+    inner = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    outer = tuple(range(x.ndim - len(normalized_shape)))
+    grad_out, x = grad_out.astype(acc), x.astype(acc)
+    mean_, rstd = mean_.astype(acc), rstd.astype(acc)
+    x_hat = (x - mean_) * rstd
+    g = grad_out * weight.astype(acc)
+    n = jnp.asarray(_count(x.shape, inner), acc)
+    grad_input = rstd * (g - jnp.sum(g, axis=inner, keepdims=True) / n
+                         - x_hat * (jnp.sum(g * x_hat, axis=inner, keepdims=True) / n))
+    grad_weight = jnp.sum(grad_out * x_hat, axis=outer)
+    grad_bias = jnp.sum(grad_out, axis=outer)
+    return grad_input, grad_weight, grad_bias
+
+
+# -- batch norm ----------------------------------------------------------------------------------
+# Input is (N, C, *spatial); statistics are per channel, over every other dim.  On CPU, torch
+# returns save_mean/save_invstd of shape (0,) in eval mode while the meta kernels say (C,); the
+# recorded metadata follows meta, so these rules return the running mean and inverse std there,
+# as torch's CUDA kernels do.
+
+def _channel_shape(x) -> tuple[int, ...]:
+    return (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+
+def _batch_axes(x) -> tuple[int, ...]:
+    return (0,) + tuple(range(2, x.ndim))
+
+
+def _batch_norm_apply(x, mean_, invstd, weight, bias):
+    """x * alpha + beta per channel, the form torch's CPU kernel uses (it rounds differently
+    from (x - mean) * invstd in half precision)."""
+    acc = mean_.dtype
+    alpha = invstd if weight is None else invstd * weight.astype(acc)
+    beta = -mean_ * alpha
+    if bias is not None:
+        beta = beta + bias.astype(acc)
+    shape = _channel_shape(x)
+    return x.astype(acc) * alpha.reshape(shape) + beta.reshape(shape)
+
+
+def _batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
+    acc = _acc_dtype(x.dtype)
+    mean_ = running_mean.astype(acc)
+    invstd = 1 / jnp.sqrt(running_var.astype(acc) + jnp.asarray(eps, acc))
+    return _batch_norm_apply(x, mean_, invstd, weight, bias), mean_, invstd
+
+
+def _batch_norm_train(x, weight, bias, eps, running=()):
+    """(output, save_mean, save_invstd, unbiased variance) from the batch statistics."""
+    acc = _acc_dtype(x.dtype)
+    axes = _batch_axes(x)
+    xa = x.astype(acc)
+    n = _count(x.shape, axes)
+    mean_ = jnp.sum(xa, axis=axes) / jnp.asarray(n, acc)
+    centred = xa - mean_.reshape(_channel_shape(x))
+    squares = jnp.sum(centred * centred, axis=axes)
+    invstd = lax.rsqrt(squares / jnp.asarray(n, acc) + jnp.asarray(eps, acc))
+    unbiased = squares / jnp.asarray(n - 1, acc)
+    if acc != x.dtype and all(p is None or p.dtype == x.dtype for p in (weight, bias, *running)):
+        # Unless a parameter is float32, torch's CPU kernel keeps the statistics in the input's
+        # half type and normalizes with those rounded values.
+        mean_, invstd = (v.astype(x.dtype).astype(acc) for v in (mean_, invstd))
+    return _batch_norm_apply(x, mean_, invstd, weight, bias), mean_, invstd, unbiased
+
+
+def _check_batch_norm(ctx: LoweringContext) -> Optional[str]:
+    training = _arg(ctx, "training")
+    has_stats = _arg(ctx, "running_mean") is not None or _arg(ctx, "running_var") is not None
+    if ctx.args[0].numel == 0 or len(ctx.args[0].shape) < 2:
+        return "empty or 1-d batch norm input"
+    if training and has_stats:
+        # The running statistics are updated in place although the schema does not say so;
+        # the decomposition writes them with copy_, which the recorder tracks.
+        return "training with running statistics mutates them"
+    if not training and (_arg(ctx, "running_mean") is None or _arg(ctx, "running_var") is None):
+        return "eval mode without running statistics"
+    return _real_only(ctx)
+
+
+@lowering(aten.native_batch_norm.default, check=_check_batch_norm)
+def native_batch_norm(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training:
+        return _batch_norm_train(x, weight, bias, eps)[:3]
+    return _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+
+
+def _check_batch_norm_input(ctx: LoweringContext) -> Optional[str]:
+    if ctx.args[0].numel == 0 or len(ctx.args[0].shape) < 2:
+        return "empty or 1-d batch norm input"
+    return _real_only(ctx)
+
+
+@lowering(aten._native_batch_norm_legit_no_training.default, check=_check_batch_norm_input)
+def native_batch_norm_no_training(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
+    return _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+
+
+def _check_training_only(ctx: LoweringContext) -> Optional[str]:
+    if not _arg(ctx, "training"):
+        return "eval mode is left to the decomposition"
+    return _check_batch_norm_input(ctx)
+
+
+@lowering(aten._native_batch_norm_legit.no_stats, check=_check_training_only)
+def native_batch_norm_no_stats(ctx, x, weight, bias, training, momentum, eps):
+    return _batch_norm_train(x, weight, bias, eps)[:3]
+
+
+@lowering(aten._native_batch_norm_legit_functional.default, check=_check_training_only)
+def native_batch_norm_functional(ctx, x, weight, bias, running_mean, running_var, training,
+                                 momentum, eps):
+    out, mean_, invstd, unbiased = _batch_norm_train(x, weight, bias, eps, (running_mean, running_var))
+    acc = mean_.dtype
+    keep = jnp.asarray(1 - momentum, acc)
+    new_mean = momentum * mean_ + keep * running_mean.astype(acc)
+    new_var = momentum * unbiased + keep * running_var.astype(acc)
+    return out, mean_, invstd, new_mean, new_var
+
+
+def _check_batch_norm_backward(ctx: LoweringContext) -> Optional[str]:
+    if not all(_arg(ctx, "output_mask")) or _arg(ctx, "weight") is None:
+        return "only the full output_mask with a weight is lowered"
+    train = _arg(ctx, "train")
+    needed = ("save_mean", "save_invstd") if train else ("running_mean", "running_var")
+    if any(_arg(ctx, name) is None for name in needed):
+        return "statistics missing"
+    return _check_batch_norm_input(ctx)
+
+
+@lowering(aten.native_batch_norm_backward.default, check=_check_batch_norm_backward)
+def native_batch_norm_backward(ctx, grad_out, x, weight, running_mean, running_var, save_mean,
+                               save_invstd, train, eps, output_mask):
+    acc = _acc_dtype(x.dtype)
+    axes, shape = _batch_axes(x), _channel_shape(x)
+    grad_out, x = grad_out.astype(acc), x.astype(acc)
+    if train:
+        mean_, invstd = save_mean.astype(acc), save_invstd.astype(acc)
+    else:
+        mean_ = running_mean.astype(acc)
+        invstd = 1 / jnp.sqrt(running_var.astype(acc) + jnp.asarray(eps, acc))
+    mean_, invstd = mean_.reshape(shape), invstd.reshape(shape)
+    x_hat = (x - mean_) * invstd
+    grad_bias = jnp.sum(grad_out, axis=axes)
+    grad_weight = jnp.sum(grad_out * x_hat, axis=axes)
+    scale = invstd * weight.astype(acc).reshape(shape)
+    if train:
+        n = jnp.asarray(_count(x.shape, axes), acc)
+        grad_input = scale * (grad_out - grad_bias.reshape(shape) / n
+                              - x_hat * (grad_weight.reshape(shape) / n))
+    else:
+        grad_input = grad_out * scale
+    return grad_input, grad_weight, grad_bias
+
+
+# -- vector norms --------------------------------------------------------------------------------
+
+def _norm_static(a, ord_, axes, keepdim):
+    """||a||_ord over ``axes`` of ``a = |x|`` for an int ``ord_`` known while tracing."""
+    if ord_ == 0:
+        return jnp.sum((a != 0).astype(a.dtype), axis=axes, keepdims=keepdim)
+    if ord_ == 1:
+        return jnp.sum(a, axis=axes, keepdims=keepdim)
+    if ord_ == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=axes, keepdims=keepdim))
+    p = jnp.asarray(ord_, a.dtype)
+    return jnp.sum(a ** p, axis=axes, keepdims=keepdim) ** (1 / p)
+
+
+def _norm_runtime(a, ord_, axes, keepdim):
+    """The same for a float ``ord_`` that is a runtime input: every case is compiled and the
+    value picks one at run time, so a changing ord never recompiles nor takes a wrong branch."""
+    ord_ = ord_.astype(a.dtype)
+    branches = [
+        lambda a, p: jnp.max(a, axis=axes, keepdims=keepdim, initial=0),
+        lambda a, p: jnp.min(a, axis=axes, keepdims=keepdim, initial=jnp.inf),
+        lambda a, p: _norm_static(a, 0, axes, keepdim),
+        lambda a, p: _norm_static(a, 1, axes, keepdim),
+        lambda a, p: _norm_static(a, 2, axes, keepdim),
+        lambda a, p: jnp.sum(a ** p, axis=axes, keepdims=keepdim) ** (1 / p),
+    ]
+    index = jnp.select([ord_ == jnp.inf, ord_ == -jnp.inf, ord_ == 0, ord_ == 1, ord_ == 2],
+                       [0, 1, 2, 3, 4], 5)
+    return lax.switch(index, branches, a, ord_)
+
+
+@lowering(aten.linalg_vector_norm.default, check=_real_only)
+def linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    a = jnp.abs(x.astype(_acc_dtype(ctx.out_dtype)))
+    axes = _axes(x.ndim, dim)
+    if isinstance(ord, int):
+        return _norm_static(a, ord, axes, keepdim)
+    return _norm_runtime(a, ord, axes, keepdim)

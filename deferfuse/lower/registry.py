@@ -71,6 +71,22 @@ def _load_families() -> None:
     from . import families  # noqa: F401
 
 
+# Value-dependent checks registered by rules while a program is traced (see runtime_check).
+_CHECK_COLLECTORS: list[list] = []
+
+
+def runtime_check(failed: Any, error: type, message: str) -> None:
+    """Raise ``error(message)`` when the computation runs and any element of ``failed`` is true.
+
+    For errors that depend on values, which torch raises eagerly and XLA would silently hide
+    (an out-of-range index is clamped by XLA's gather).  The flag is an extra output of the
+    compiled computation; it is checked before any result is written back, and the error names
+    the line that recorded the op.
+    """
+    if _CHECK_COLLECTORS:
+        _CHECK_COLLECTORS[-1].append((jnp.any(failed), error, message))
+
+
 class RuntimeScalar:
     """Marks a Python float that is passed to the compiled computation at run time."""
 
