@@ -20,12 +20,13 @@ from .capture.tensor import DeferredTensor, is_materialized
 from . import errors
 from .errors import DeferfuseError, FallbackReason, FlushReason, LoweringError, ModeError
 from .modes import EagerMode, debug, defer, get_mode, mode, set_mode, strict
+from .observe import explain, plan_dot, stablehlo
 from .stats import STATS as _STATS
 
 __all__ = [
     "EagerMode", "mode", "defer", "debug", "strict", "set_mode", "get_mode", "sync",
     "is_materialized", "stats", "reset_stats", "config", "DeferredTensor", "DeferfuseError",
-    "ModeError", "FlushReason", "FallbackReason",
+    "ModeError", "FlushReason", "FallbackReason", "LoweringError", "explain", "plan_dot", "stablehlo",
 ]
 
 

@@ -39,6 +39,8 @@ class Setting:
 
     def parse(self, text: str) -> Any:
         parser: Callable[[str], Any] = _parse_bool if self.type is bool else self.type
+        if self.type is str and self.name == "compute_engine" and text not in ("xla", "torch"):
+            raise ValueError(f"{self.env_var}={text!r}: expected 'xla' or 'torch'")
         try:
             return parser(text)
         except ValueError as exc:
@@ -63,6 +65,17 @@ _declare("record_source", bool, True,
 _declare("eager_small_flush", int, 0,
          "Run a flush eagerly op by op when its graph has at most this many nodes and has not been "
          "compiled before (0 disables; always_compile overrides).")
+_declare("memory_bandwidth_gbs", float, 20.0,
+         "Memory bandwidth of the machine in GB/s, for the cost model (default: a 2-core CPU VM).")
+_declare("peak_gflops", float, 100.0,
+         "Peak FLOP rate in GFLOP/s, for the cost model (default: a 2-core AVX2 CPU VM).")
+_declare("compute_engine", str, "xla",
+         "Where compute-bound ops (matmul, conv) run: 'xla' fuses them with their neighbours, "
+         "'torch' runs them on torch's kernels between XLA groups.", affects_compile=True)
+_declare("fusion_fuel", int, -1,
+         "Stop fusing after this many node merges per flush (-1: no limit); bisect a bad fusion "
+         "by lowering it until the problem goes away.", affects_compile=True)
+_declare("explain_history", int, 16, "How many recent flush plans deferfuse.explain() keeps.")
 
 
 class _State(threading.local):
@@ -100,6 +113,8 @@ def get(name: str) -> Any:
 
 def _checked(name: str, value: Any) -> Any:
     setting = _setting(name)
+    if setting.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
     if setting.type is int and isinstance(value, bool) or not isinstance(value, setting.type):
         raise TypeError(f"setting {name!r} takes a {setting.type.__name__}, got {value!r}")
     return value

@@ -388,7 +388,8 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
                     targets.append(p.contents[1])
         all_states = states + extra_states
         to_compute = [v for v in targets if v.result is None]
-        computed = iter(runtime.execute(nodes, to_compute) if to_compute else [])
+        trigger = user_source() if recorder is None or recorder.record_source else None
+        computed = iter(runtime.execute(nodes, to_compute, reason.value, trigger) if to_compute else [])
         results = [v.result if v.result is not None else next(computed) for v in targets]
         for s, value, result in zip(all_states, targets, results):
             flat = result.reshape(-1)

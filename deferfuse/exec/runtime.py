@@ -103,10 +103,12 @@ def _at(source: Optional[str]) -> str:
 
 
 class _Compiled:
-    __slots__ = ("executable", "n_scalars", "checks")
+    __slots__ = ("executable", "n_scalars", "checks", "lowered")
 
-    def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]]) -> None:
+    def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]],
+                 lowered: Any = None) -> None:
         self.executable = executable
+        self.lowered = lowered
         self.n_scalars = n_scalars
         self.checks = checks
 
@@ -193,15 +195,24 @@ def _compile(program: Program, leaves: list[Value], n_scalars: int) -> _Compiled
         lowered = jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
         executable = lowered.compile()
     STATS.compiles += 1
-    return _Compiled(executable, n_scalars, list(program.checks))
+    return _Compiled(executable, n_scalars, list(program.checks), lowered)
 
 
 def _profile(name: str):
     return torch.profiler.record_function(name)
 
 
-def execute_xla(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
+def stablehlo_text(signature: Any) -> str:
+    compiled = _EXECUTABLES.get(signature)
+    if compiled is None or compiled.lowered is None:
+        raise ValueError("that computation is no longer in the executable cache")
+    return compiled.lowered.as_text()
+
+
+def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = None) -> list[torch.Tensor]:
     sig, make_program, leaves, scalars = build(nodes, outputs)
+    if group_record is not None:
+        group_record.signature = sig
     compiled = _EXECUTABLES.get(sig)
     if compiled is None:
         STATS.cache_misses += 1
@@ -257,8 +268,9 @@ def _eager_internal(node: Node, args: tuple) -> torch.Tensor:
     raise AssertionError(f"no eager form for {op}")
 
 
-def execute_eager(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
-    """Replay the subgraph op by op with torch (no compile): for tiny one-off graphs."""
+def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -> list[torch.Tensor]:
+    """Replay the subgraph op by op with torch (no compile): for tiny one-off graphs, ops placed
+    on torch's kernels, and graphs whose lowering failed."""
     computed: dict[int, torch.Tensor] = {}
 
     def arg(a: Any) -> Any:
@@ -280,7 +292,8 @@ def execute_eager(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for v, t in zip(node.outputs, outs):
             computed[id(v)] = t
-    STATS.eager_replays += 1
+    if count:
+        STATS.eager_replays += 1
     return [v.result if v.result is not None else computed[id(v)] for v in outputs]
 
 
@@ -294,13 +307,37 @@ def should_replay_eagerly(nodes: list[Node]) -> bool:
     return all(v.meta.numel <= 1 for n in nodes for v in n.outputs) and len(nodes) <= 64
 
 
-def execute(nodes: list[Node], outputs: list[Value]) -> list[torch.Tensor]:
-    if should_replay_eagerly(nodes):
-        return execute_eager(nodes, outputs)
+def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
+            trigger: Optional[str] = None) -> list[torch.Tensor]:
+    """Compute ``outputs``: plan the subgraph into groups, run each as one computation."""
+    from ..plan.partition import Engine, partition
+    from .. import observe
+    plan = partition(nodes, outputs)
+    record = observe.record_plan(plan, reason, trigger, len(outputs))
+    for group in plan.groups:
+        if group.engine is Engine.TORCH:
+            results = execute_eager(group.nodes, group.outputs, count=False)
+            record.ran(group, "torch")
+        elif should_replay_eagerly(group.nodes):
+            results = execute_eager(group.nodes, group.outputs)
+            record.ran(group, "eager replay")
+        else:
+            results = _execute_xla_safely(group.nodes, group.outputs, record.groups[_index_of(record, group)])
+            record.ran(group, "xla")
+        for v, r in zip(group.outputs, results):
+            v.result = r
+    return [v.result for v in outputs]
+
+
+def _index_of(record: Any, group: Any) -> int:
+    return next(i for i, g in enumerate(record.groups) if g.index == group.index)
+
+
+def _execute_xla_safely(nodes: list[Node], outputs: list[Value], group_record: Any) -> list[torch.Tensor]:
     if config.get("always_compile"):
-        return execute_xla(nodes, outputs)
+        return execute_xla(nodes, outputs, group_record)
     try:
-        return execute_xla(nodes, outputs)
+        return execute_xla(nodes, outputs, group_record)
     except LoweringError as exc:
         # A lowering bug must not cost the user a correct result: replay this graph in torch.
         STATS.lowering_failures += 1

@@ -1,0 +1,161 @@
+"""What deferfuse did, in words and pictures: explain(), the DOT dump, StableHLO text.
+
+Every flush leaves a FlushRecord: why it happened, the user line that triggered it, the groups
+the planner made, why each group was split from its neighbours, and how each ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+from typing import Any, Optional
+
+from . import config
+from .ir import graph
+from .ir.graph import Node
+
+log = logging.getLogger("deferfuse")
+_flush_ids = itertools.count(1)
+
+
+def _op_name(node: Node) -> str:
+    op = node.op
+    if isinstance(op, graph.InternalOp):
+        return op.name
+    return str(op).replace("aten.", "").replace(".default", "")
+
+
+@dataclasses.dataclass
+class GroupRecord:
+    index: int
+    engine: str
+    reason: str
+    ops: list[str]
+    bounds: list[str]
+    sources: list[str]
+    n_outputs: int
+    edges: list[tuple[int, int]]           # (producer node id, consumer node id) inside or into
+    node_ids: list[int]
+    ran_as: str = "pending"
+    signature: Any = None
+
+
+@dataclasses.dataclass
+class FlushRecord:
+    number: int
+    reason: str
+    trigger: Optional[str]
+    n_nodes: int
+    n_outputs: int
+    groups: list[GroupRecord]
+
+    def ran(self, group, how: str) -> None:
+        self.groups[_position(self, group)].ran_as = how
+
+    def describe(self) -> str:
+        where = f" at {self.trigger}" if self.trigger else ""
+        lines = [f"flush #{self.number} ({self.reason}{where}): {self.n_nodes} ops -> "
+                 f"{len(self.groups)} group(s), {self.n_outputs} value(s) out"]
+        for g in self.groups:
+            counts = collections.Counter(g.ops)
+            ops = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in counts.most_common(8))
+            if len(counts) > 8:
+                ops += f", ... ({len(counts) - 8} more kinds)"
+            compute = sum(1 for b in g.bounds if b == "compute-bound")
+            kind = f"{compute} compute-bound, {len(g.bounds) - compute} memory-bound"
+            sources = sorted(set(s for s in g.sources if s))
+            span = ""
+            if sources:
+                span = f"; recorded at {sources[0]}" + (f" ... {sources[-1]}" if len(sources) > 1 else "")
+            lines.append(f"  group {g.index} [{g.ran_as}, {len(g.ops)} ops, {g.n_outputs} out] "
+                         f"split: {g.reason}; {kind}{span}")
+            lines.append(f"    {ops}")
+        return "\n".join(lines)
+
+
+def _position(record: FlushRecord, group) -> int:
+    for i, g in enumerate(record.groups):
+        if g.index == group.index:
+            return i
+    raise KeyError(group.index)
+
+
+_HISTORY: collections.deque[FlushRecord] = collections.deque(maxlen=16)
+
+
+def record_plan(plan, reason: str, trigger: Optional[str], n_outputs: int) -> FlushRecord:
+    if _HISTORY.maxlen != config.get("explain_history"):
+        globals()["_HISTORY"] = collections.deque(_HISTORY, maxlen=config.get("explain_history"))
+    groups = []
+    for g in plan.groups:
+        ids = {n.id for n in g.nodes}
+        edges = [(v.node.id, n.id) for n in g.nodes for v in n.input_values()
+                 if not isinstance(v.node.op, graph.InternalOp) or v.node.op is not graph.INPUT]
+        groups.append(GroupRecord(
+            g.index, g.engine.value, g.reason.value, [_op_name(n) for n in g.nodes],
+            [plan.bounds[n.id].value for n in g.nodes], [n.source or "" for n in g.nodes],
+            len(g.outputs), edges, sorted(ids)))
+    record = FlushRecord(next(_flush_ids), reason, trigger, sum(len(g.nodes) for g in plan.groups),
+                         n_outputs, groups)
+    _HISTORY.append(record)
+    log.debug("%s", record.describe())
+    return record
+
+
+def explain(last: Optional[int] = None) -> str:
+    """The recent flush plans in words: which ops fused into which group, why each split and each
+    flush happened, and the user line that triggered it."""
+    records = list(_HISTORY)
+    if last is not None:
+        records = records[-last:]
+    if not records:
+        return "deferfuse: no flushes yet"
+    return "\n".join(r.describe() for r in records)
+
+
+def plan_dot(record_number: Optional[int] = None) -> str:
+    """Graphviz DOT of a flush plan (default: the latest), one cluster per fusion group."""
+    record = _find(record_number)
+    lines = [f'digraph "deferfuse_flush_{record.number}" {{', "  rankdir=TB;",
+             '  node [shape=box, fontname="monospace", fontsize=10];']
+    known: set[int] = set()
+    for g in record.groups:
+        lines.append(f"  subgraph cluster_{g.index} {{")
+        lines.append(f'    label="group {g.index} ({g.ran_as}): {g.reason}";')
+        lines.append('    style=rounded; color="#4477aa";')
+        for node_id, op, bound in zip(g.node_ids, g.ops, g.bounds):
+            fill = "#ffddaa" if bound == "compute-bound" else "#ddeeff"
+            lines.append(f'    n{node_id} [label="{op}", style=filled, fillcolor="{fill}"];')
+            known.add(node_id)
+        lines.append("  }")
+    for g in record.groups:
+        for producer, consumer in g.edges:
+            if producer not in known:
+                lines.append(f'  n{producer} [label="input", shape=ellipse];')
+                known.add(producer)
+            lines.append(f"  n{producer} -> n{consumer};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def stablehlo(group: int = 0, record_number: Optional[int] = None) -> str:
+    """The StableHLO text of one XLA group of a flush plan (default: the latest flush)."""
+    record = _find(record_number)
+    g = record.groups[group]
+    if g.signature is None:
+        raise ValueError(f"group {group} of flush #{record.number} ran as {g.ran_as!r}, not as an XLA computation")
+    from .exec import runtime
+    return runtime.stablehlo_text(g.signature)
+
+
+def _find(record_number: Optional[int]) -> FlushRecord:
+    if not _HISTORY:
+        raise ValueError("deferfuse: no flushes yet")
+    if record_number is None:
+        return _HISTORY[-1]
+    for r in _HISTORY:
+        if r.number == record_number:
+            return r
+    raise ValueError(f"flush #{record_number} is no longer in the history (explain_history setting)")

@@ -1,0 +1,103 @@
+"""The cost model: is a node memory-bound or compute-bound on this machine?
+
+A node's arithmetic intensity (FLOPs per byte it must move) is compared with the machine's
+balance point (peak FLOP rate / memory bandwidth, both settings).  Ops whose FLOPs grow faster
+than their operands (matrix products, convolutions) are the only ones that can be compute-bound;
+their FLOP counts are below.  Everything else moves each byte a small constant number of times.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Callable, Optional
+
+import torch
+
+from .. import config
+from ..ir import graph
+from ..ir.graph import Node
+
+aten = torch.ops.aten
+
+
+class Bound(enum.Enum):
+    MEMORY = "memory-bound"
+    COMPUTE = "compute-bound"
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def _mm_flops(node: Node) -> float:
+    a, b = node.args[0].meta.shape, node.args[1].meta.shape
+    return 2.0 * a[0] * a[1] * b[1]
+
+
+def _bmm_flops(node: Node) -> float:
+    a, b = node.args[0].meta.shape, node.args[1].meta.shape
+    return 2.0 * a[0] * a[1] * a[2] * b[2]
+
+
+def _addmm_flops(node: Node) -> float:
+    a, b = node.args[1].meta.shape, node.args[2].meta.shape
+    return 2.0 * a[0] * a[1] * b[1]
+
+
+def _baddbmm_flops(node: Node) -> float:
+    a, b = node.args[1].meta.shape, node.args[2].meta.shape
+    return 2.0 * a[0] * a[1] * a[2] * b[2]
+
+
+def _conv_flops(node: Node) -> float:
+    weight = node.args[1].meta.shape
+    out = node.outputs[0].meta.shape
+    per_output = 2.0 * _numel(weight[1:])
+    return per_output * _numel(out)
+
+
+# FLOP counts of the ops whose work grows faster than their data.
+FLOPS: dict[torch._ops.OpOverload, Callable[[Node], float]] = {
+    aten.mm.default: _mm_flops,
+    aten.bmm.default: _bmm_flops,
+    aten.addmm.default: _addmm_flops,
+    aten.baddbmm.default: _baddbmm_flops,
+    aten.convolution.default: _conv_flops,
+}
+
+
+def bytes_moved(node: Node) -> int:
+    """Bytes a node reads and writes if it runs alone (its unfused memory traffic)."""
+    total = 0
+    for v in node.input_values():
+        total += v.meta.numel * v.meta.dtype.itemsize
+    for v in node.outputs:
+        total += v.meta.numel * v.meta.dtype.itemsize
+    return total
+
+
+def flops(node: Node) -> Optional[float]:
+    estimate = FLOPS.get(node.op)
+    return estimate(node) if estimate is not None else None
+
+
+def machine_balance() -> float:
+    """FLOPs the machine can do per byte it moves from memory."""
+    return config.get("peak_gflops") / config.get("memory_bandwidth_gbs")
+
+
+def bound(node: Node) -> Bound:
+    if isinstance(node.op, graph.InternalOp):
+        return Bound.MEMORY
+    work = flops(node)
+    if work is None:
+        return Bound.MEMORY
+    moved = max(bytes_moved(node), 1)
+    return Bound.COMPUTE if work / moved >= machine_balance() else Bound.MEMORY
+
+
+def estimated_seconds(node: Node) -> float:
+    """Roofline time of a node run alone."""
+    work = flops(node) or 0.0
+    return max(work / (config.get("peak_gflops") * 1e9), bytes_moved(node) / (config.get("memory_bandwidth_gbs") * 1e9))

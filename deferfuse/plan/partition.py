@@ -1,0 +1,162 @@
+"""The fusion planner: partition a flushed subgraph into groups, each run as one computation.
+
+The policy is a set of pure predicates (``placement``, ``split_reason``) and the cost model in
+``cost.py``; ``partition`` is generic: it walks nodes in topological order and puts each node in
+the group of one of its producers when the policy allows it and the group stays convex (no path
+leaves the group and comes back), otherwise opens a new group and records why.  networkx holds
+the group graph, checks that it is acyclic, and gives the order to run the groups in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+import networkx as nx
+
+from .. import config
+from ..ir.graph import Node, Value
+from . import cost
+
+
+class SplitReason(enum.Enum):
+    FIRST = "first group"
+    ENGINE = "runs on another engine"              # a compute-bound op placed on torch
+    NOT_CONVEX = "joining would make a cycle"      # producer group depends on another group
+    NO_PRODUCER = "reads only graph inputs"
+    FUEL = "fusion fuel exhausted"                 # DEFERFUSE_FUSION_FUEL, to bisect a bad fusion
+
+
+class Engine(enum.Enum):
+    XLA = "xla"
+    TORCH = "torch"
+
+
+@dataclasses.dataclass
+class Group:
+    index: int
+    engine: Engine
+    nodes: list[Node]
+    reason: SplitReason
+    outputs: list[Value] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Plan:
+    groups: list[Group]           # in the order they run
+    bounds: dict[int, cost.Bound]  # node id -> memory/compute bound
+
+
+# -- policy: pure predicates --------------------------------------------------------------------
+def placement(node: Node, bound: cost.Bound) -> Engine:
+    """Where a node runs.  Compute-bound ops may run on torch's own kernels when the setting says
+    torch's are faster on this machine; everything else is fused by XLA."""
+    if config.get("always_compile"):
+        return Engine.XLA
+    if bound is cost.Bound.COMPUTE and config.get("compute_engine") == "torch":
+        return Engine.TORCH
+    return Engine.XLA
+
+
+def split_reason(group: Group, engine: Engine) -> Optional[SplitReason]:
+    """None if a node placed on ``engine`` may join ``group``, else why not."""
+    if group.engine is not engine or engine is Engine.TORCH:
+        return SplitReason.ENGINE
+    return None
+
+
+# -- the generic partitioner --------------------------------------------------------------------
+def partition(nodes: list[Node], outputs: list[Value]) -> Plan:
+    group_of: dict[int, Group] = {}
+    # transitive closure of group dependencies, to keep groups convex
+    depends_on: dict[int, set[int]] = {}
+    groups: list[Group] = []
+    bounds: dict[int, cost.Bound] = {}
+    fuel = config.get("fusion_fuel")
+    fused = 0
+
+    def open_group(node: Node, engine: Engine, reason: SplitReason) -> Group:
+        group = Group(len(groups), engine, [node], reason)
+        groups.append(group)
+        depends_on[group.index] = set()
+        return group
+
+    for node in nodes:
+        bound = bounds[node.id] = cost.bound(node)
+        engine = placement(node, bound)
+        producers = []
+        for v in node.input_values():
+            g = group_of.get(v.node.id)
+            if g is not None and g not in producers:
+                producers.append(g)
+        chosen: Optional[Group] = None
+        reason = SplitReason.FIRST if not groups else SplitReason.NO_PRODUCER
+        for candidate in reversed(producers):
+            why = split_reason(candidate, engine)
+            if why is None and any(candidate.index in depends_on[p.index] for p in producers if p is not candidate):
+                why = SplitReason.NOT_CONVEX
+            if why is None and fuel >= 0 and fused >= fuel:
+                why = SplitReason.FUEL
+            if why is None:
+                chosen = candidate
+                break
+            reason = why
+        if chosen is None and not producers and groups and groups[-1].engine is engine is Engine.XLA \
+                and (fuel < 0 or fused < fuel):
+            # a node reading only graph inputs joins the latest XLA group: no dependency to break
+            chosen = groups[-1]
+        if chosen is None:
+            group = open_group(node, engine, reason)
+        else:
+            group = chosen
+            group.nodes.append(node)
+            fused += 1
+        for p in producers:
+            if p is not group:
+                depends_on[group.index] |= depends_on[p.index] | {p.index}
+        group_of[node.id] = group
+
+    _assign_outputs(groups, group_of, outputs)
+    order = _run_order(groups, group_of)
+    return Plan(order, bounds)
+
+
+def _assign_outputs(groups: list[Group], group_of: dict[int, Group], outputs: list[Value]) -> None:
+    """A group writes out only what leaves it: values other groups read, and requested outputs.
+    Dead intermediates stay inside the computation."""
+    wanted: dict[int, list[Value]] = {g.index: [] for g in groups}
+    seen: set[int] = set()
+
+    def add(g: Group, v: Value) -> None:
+        if id(v) not in seen:
+            seen.add(id(v))
+            wanted[g.index].append(v)
+
+    for g in groups:
+        for node in g.nodes:
+            for v in node.input_values():
+                producer = group_of.get(v.node.id)
+                if producer is not None and producer is not g:
+                    add(producer, v)
+    for v in outputs:
+        producer = group_of.get(v.node.id)
+        if producer is not None:
+            add(producer, v)
+    for g in groups:
+        g.outputs = wanted[g.index]
+
+
+def _run_order(groups: list[Group], group_of: dict[int, Group]) -> list[Group]:
+    dag = nx.DiGraph()
+    dag.add_nodes_from(g.index for g in groups)
+    for g in groups:
+        for node in g.nodes:
+            for v in node.input_values():
+                producer = group_of.get(v.node.id)
+                if producer is not None and producer is not g:
+                    dag.add_edge(producer.index, g.index)
+    if not nx.is_directed_acyclic_graph(dag):
+        raise AssertionError("fusion groups form a cycle: the partitioner broke convexity")
+    by_index = {g.index: g for g in groups}
+    return [by_index[i] for i in nx.lexicographical_topological_sort(dag)]

@@ -1,0 +1,122 @@
+"""The fusion planner: how many computations a program makes, what leaves them, and the dumps."""
+
+import pydot
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import observe
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=False):
+        yield
+
+
+def _last_record():
+    return observe._HISTORY[-1]
+
+
+def test_ten_op_pointwise_chain_is_one_computation_with_one_output():
+    x = torch.randn(256)
+    with deferfuse.defer():
+        y = x
+        for i in range(5):
+            y = y * 1.5
+            y = y + float(i)
+        total = y
+    record = _last_record()
+    assert deferfuse.stats()["executions"] == 1
+    assert len(record.groups) == 1
+    assert record.groups[0].n_outputs == 1
+    expected = x
+    for i in range(5):
+        expected = expected * 1.5 + float(i)
+    torch.testing.assert_close(total, expected)
+
+
+def test_dead_intermediate_is_not_an_output():
+    x = torch.randn(64)
+    with deferfuse.defer():
+        a = x * 2
+        b = a + 1          # a stays alive, b is dropped before the flush
+        c = b * 3
+        del b
+        deferfuse.sync(c)
+    # a is live, so it leaves the computation; b is dead and stays inside
+    record = _last_record()
+    assert record.n_outputs == 2, observe.explain()
+
+
+def test_matmul_between_chains_on_torch_engine_splits_in_three():
+    a, w = torch.randn(32, 64), torch.randn(64, 16)
+    with deferfuse.config.override(compute_engine="torch", peak_gflops=0.001):
+        with deferfuse.defer():
+            h = (a * 2 + 1) @ w
+            out = h * 0.5 + 3
+            deferfuse.sync(out)
+    record = _last_record()
+    engines = [g.engine for g in record.groups]
+    assert engines == ["xla", "torch", "xla"], observe.explain()
+    assert record.groups[1].reason == "runs on another engine"
+    assert record.groups[1].bounds == ["compute-bound"]
+    torch.testing.assert_close(out, ((a * 2 + 1) @ w) * 0.5 + 3)
+
+
+def test_matmul_on_xla_fuses_with_neighbours():
+    a, w = torch.randn(32, 64), torch.randn(64, 16)
+    with deferfuse.defer():
+        out = ((a * 2 + 1) @ w) * 0.5 + 3
+        deferfuse.sync(out)
+    assert len(_last_record().groups) == 1
+
+
+def test_fusion_fuel_limits_merges():
+    x = torch.randn(16)
+    with deferfuse.config.override(fusion_fuel=2):
+        with deferfuse.defer():
+            y = x * 2 + 1 - 3 * x
+            deferfuse.sync(y)
+    record = _last_record()
+    assert len(record.groups) > 1
+    assert any(g.reason == "fusion fuel exhausted" for g in record.groups)
+    torch.testing.assert_close(y, x * 2 + 1 - 3 * x)
+
+
+def test_explain_names_reason_and_trigger_line():
+    x = torch.ones(3)
+    with deferfuse.defer():
+        y = x * 2
+        y.sum().item()
+    text = deferfuse.explain(last=1)
+    assert "(item at" in text and "test_planner.py" in text
+    assert "group 0" in text
+
+
+def test_dot_dump_parses_with_clusters():
+    x = torch.ones(3)
+    with deferfuse.defer():
+        y = (x * 2 + 1).sum()
+        deferfuse.sync(y)
+    graphs = pydot.graph_from_dot_data(deferfuse.plan_dot())
+    assert graphs and len(graphs) == 1
+    clusters = graphs[0].get_subgraphs()
+    assert [c.get_name() for c in clusters] == ["cluster_0"]
+    assert len(graphs[0].get_edges()) >= 2
+
+
+def test_stablehlo_text_parses():
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    x = torch.ones(3)
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            y = x * 2 + 1
+            deferfuse.sync(y)
+    text = deferfuse.stablehlo(0)
+    assert "stablehlo.multiply" in text
+    with mlir.make_ir_context():
+        module = ir.Module.parse(text)
+    assert module is not None
