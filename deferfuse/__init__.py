@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__version__ = "0.1.0"
+
 import torch
 
 from . import config

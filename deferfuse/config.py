@@ -75,6 +75,14 @@ _declare("compute_engine", str, "xla",
 _declare("fusion_fuel", int, -1,
          "Stop fusing after this many node merges per flush (-1: no limit); bisect a bad fusion "
          "by lowering it until the problem goes away.", affects_compile=True)
+_declare("cache_dir", str,
+         os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deferfuse"),
+         "Folder of the on-disk executable cache; empty turns it off.")
+_declare("eager_first_runs", int, 1,
+         "Run a new graph signature eagerly (op by op in torch) this many times before its XLA "
+         "executable is used; 0 compiles at first sight.  always_compile overrides.")
+_declare("background_compile", bool, True,
+         "Compile new signatures on a background thread, so an eager run never waits for XLA.")
 _declare("explain_history", int, 16, "How many recent flush plans deferfuse.explain() keeps.")
 
 

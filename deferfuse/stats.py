@@ -9,7 +9,8 @@ from typing import Any
 class Stats:
     __slots__ = ("ops_recorded", "flushes", "executions", "compiles", "cache_hits", "cache_misses",
                  "fallbacks", "fallback_reasons", "decompositions", "eager_replays",
-                 "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures")
+                 "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
+                 "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles")
 
     def __init__(self) -> None:
         self.reset()
@@ -29,6 +30,10 @@ class Stats:
         self.meta_cache_hits = 0
         self.meta_cache_misses = 0
         self.lowering_failures = 0
+        self.disk_cache_hits = 0
+        self.disk_cache_writes = 0
+        self.disk_cache_errors = 0
+        self.background_compiles = 0
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -3,6 +3,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Hermetic runs: compiled executables go to a fresh folder, not the user's cache.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("DEFERFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="deferfuse-test-cache-"))
+
 # Hypothesis profiles: ``default`` (the normal run, well under a few minutes on 2 cores) and
 # ``deep`` (``HYPOTHESIS_PROFILE=deep``, as ``make test-deep`` does).  The program suite in
 # test_programs.py has five generating tests: 5 x 70 = 350 programs by default, 5 x 1100 deep.

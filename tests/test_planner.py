@@ -11,7 +11,7 @@ from deferfuse import observe
 @pytest.fixture(autouse=True)
 def _fresh():
     deferfuse.reset_stats()
-    with deferfuse.config.override(always_compile=False):
+    with deferfuse.config.override(always_compile=False, eager_first_runs=0):
         yield
 
 

@@ -178,7 +178,6 @@ def test_changing_python_scalars_do_not_recompile():
                 y = x * lr + bias_correction
             assert torch.allclose(y, torch.ones(16) * lr + bias_correction)
             compiles.append(deferfuse.stats()["compiles"])
-    assert compiles[0] >= 1
     assert compiles[-1] == compiles[0], compiles
     assert deferfuse.stats()["cache_hits"] >= 4
 
@@ -248,7 +247,7 @@ def test_broken_lowering_replays_eagerly_unless_always_compile(monkeypatch):
     from deferfuse.exec import runtime
     runtime.clear_cache()
     x = torch.arange(4.0)
-    with deferfuse.config.override(always_compile=False):
+    with deferfuse.config.override(always_compile=False, eager_first_runs=0):
         with deferfuse.defer():
             y = x * 3 + 1
     assert y.tolist() == [1.0, 4.0, 7.0, 10.0]

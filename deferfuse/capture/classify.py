@@ -99,6 +99,12 @@ def functional_variant(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverl
         # in-place: the same arguments, with self no longer written
         wanted = _argument_signature(op, skip)
     else:
+        # out= variants: the written arguments are keyword-only outputs, absent from the
+        # functional form.  An op that writes a positional input (running stats of batch norm)
+        # has no plain functional twin under the same name: leave it to eager execution.
+        kwarg_only = {a.name for a in op._schema.arguments if a.kwarg_only}
+        if not set(info.written) <= kwarg_only:
+            return None
         base_name = name
         skip = frozenset(info.written)
         wanted = _argument_signature(op, skip)

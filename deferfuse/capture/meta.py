@@ -78,7 +78,11 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
     if "device" in kwargs and kwargs["device"] is not None:
         meta_kwargs["device"] = torch.device("meta")
-    result = op(*meta_args, **meta_kwargs)
+    try:
+        result = op(*meta_args, **meta_kwargs)
+    except Exception as meta_error:
+        _raise_as_torch_would(op, args, kwargs, meta_error)
+        raise
     results = result if isinstance(result, (tuple, list)) else (result,)
     outs = tuple(_meta_of_output(r, device) for r in results)
     tensor_outs = tuple(o for o in outs if o is not None)
@@ -94,6 +98,43 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     entry = MetaEntry(outs, tensor_outs, lowering, reason, ctx)
     _CACHE[key] = entry
     return entry
+
+
+_SMALL = 1 << 16
+
+
+def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> None:
+    """Meta kernels sometimes raise another exception type than the real kernel (RuntimeError
+    for IndexError).  For small inputs, run the op on zero-filled CPU tensors of the same
+    metadata and raise what it raises; otherwise let the meta error stand."""
+    tensors = [a for a in _walk(args, kwargs) if isinstance(a, TensorMeta)]
+    if sum(t.storage_numel for t in tensors) > _SMALL:
+        return
+
+    def real(a: Any) -> Any:
+        if isinstance(a, TensorMeta):
+            return torch.zeros((a.storage_numel,), dtype=a.dtype).as_strided(a.shape, a.stride, a.offset)
+        if isinstance(a, RuntimeScalar):
+            return a.value
+        if type(a) in (list, tuple):
+            return type(a)(real(x) for x in a)
+        return a
+
+    try:
+        op(*real(args), **{k: real(v) for k, v in kwargs.items()})
+    except Exception as real_error:  # noqa: BLE001 - re-raised with torch's own type
+        if type(real_error) is not type(meta_error):
+            raise real_error from None
+
+
+def _walk(args: tuple, kwargs: dict):
+    stack = list(args) + list(kwargs.values())
+    while stack:
+        a = stack.pop()
+        if type(a) in (list, tuple):
+            stack.extend(a)
+        else:
+            yield a
 
 
 def clear_cache() -> None:

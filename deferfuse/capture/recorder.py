@@ -160,6 +160,11 @@ class Recorder:
         state.reads[m] = value
         self.pending.add(state)
 
+    def _fresh_outputs(self, entry, node: Node) -> list:
+        """DeferredTensors for a node's outputs, with None where the op returned None."""
+        values = iter(node.outputs)
+        return [None if m is None else self.fresh(m, next(values)) for m in entry.outs]
+
     def fresh(self, m: TensorMeta, value: Value) -> DeferredTensor:
         state = StorageState(m.storage_numel, m.dtype, m.device, contents=("root", value, m))
         state.reads[m] = value
@@ -228,7 +233,7 @@ class Recorder:
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
         node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry)
-        return _restructure(info, [self.fresh(v.meta, v) for v in node.outputs])
+        return _restructure(info, self._fresh_outputs(entry, node))
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
         decomposition = _decomposition(func)
@@ -243,10 +248,9 @@ class Recorder:
         vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
         base = args[0]
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
-        outs = entry.tensor_outs
-        if any(o.dtype != state.dtype for o in outs):
+        if any(o.dtype != state.dtype for o in entry.tensor_outs):
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
-        return _restructure(info, [DeferredTensor(o, state, self) for o in outs])
+        return _restructure(info, [None if o is None else DeferredTensor(o, state, self) for o in entry.outs])
 
     def record_mutation(self, func, info, args, kwargs) -> Any:
         # Validate the call itself (torch's broadcasting and casting errors) on meta tensors.
@@ -286,7 +290,7 @@ class Recorder:
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
         node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry)
-        return _restructure(info, [self.fresh(v.meta, v) for v in node.outputs])
+        return _restructure(info, self._fresh_outputs(entry, node))
 
     def run_observing(self, func, info, args, kwargs) -> Any:
         reason = FlushReason.ITEM if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) \

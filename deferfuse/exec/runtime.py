@@ -8,8 +8,9 @@ floats given to ``Scalar`` parameters) are passed in, so they never change the k
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import queue
+import threading
 from typing import Any, Optional, Sequence
 
 import jax
@@ -26,7 +27,7 @@ from ..lower import dtypes as dtypes_
 from ..lower.registry import _CHECK_COLLECTORS, RuntimeScalar
 from ..lower.views import internal_rule
 from ..stats import STATS
-from . import interop
+from . import diskcache, interop
 
 log = logging.getLogger("deferfuse")
 
@@ -188,8 +189,8 @@ def build(nodes: list[Node], outputs: list[Value]):
     return tuple(sig), make_program, leaves, scalars
 
 
-def _compile(program: Program, leaves: list[Value], n_scalars: int) -> _Compiled:
-    avals = [jax.ShapeDtypeStruct(v.meta.shape, dtypes_.to_jax(v.meta.dtype)) for v in leaves]
+def _compile(program: Program, leaf_avals: tuple, n_scalars: int) -> _Compiled:
+    avals = [jax.ShapeDtypeStruct(shape, dtypes_.to_jax(dtype)) for shape, dtype in leaf_avals]
     scalar_aval = jax.ShapeDtypeStruct((n_scalars,), jnp.float64)
     with _x64(), _profile("deferfuse.compile"):
         lowered = jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
@@ -209,17 +210,82 @@ def stablehlo_text(signature: Any) -> str:
     return compiled.lowered.as_text()
 
 
-def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = None) -> list[torch.Tensor]:
+_SEEN: dict[Any, int] = {}            # signature -> eager runs so far, while not compiled
+_COMPILING: set[Any] = set()          # signatures queued for background compilation
+_QUEUE: "queue.Queue[tuple]" = queue.Queue()
+_WORKER: Optional[threading.Thread] = None
+
+
+def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int) -> _Compiled:
+    compiled = _compile(program, avals, n_scalars)
+    _EXECUTABLES[sig] = compiled
+    diskcache.save(sig, compiled.executable, n_scalars, compiled.checks)
+    return compiled
+
+
+def _background_worker() -> None:
+    while True:
+        sig, make_program, avals, n_scalars = _QUEUE.get()
+        try:
+            _compile_and_store(sig, make_program(), avals, n_scalars)
+            STATS.background_compiles += 1
+        except Exception as exc:  # noqa: BLE001 - the eager path keeps working
+            log.warning("deferfuse: background compilation failed; this graph keeps running eagerly: %s", exc)
+        finally:
+            _COMPILING.discard(sig)
+
+
+def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
+    global _WORKER
+    if sig in _COMPILING:
+        return
+    _COMPILING.add(sig)
+    if _WORKER is None or not _WORKER.is_alive():
+        # a daemon: a script that ends while a compile is under way does not wait for it
+        _WORKER = threading.Thread(target=_background_worker, name="deferfuse-compile", daemon=True)
+        _WORKER.start()
+    _QUEUE.put((sig, make_program, avals, n_scalars))
+
+
+def _avals(leaves: list[Value]) -> tuple:
+    return tuple((v.meta.shape, v.meta.dtype) for v in leaves)
+
+
+def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optional[_Compiled]:
+    """The executable for ``sig``, or None when this run should replay eagerly instead
+    (tiered execution: a new signature runs eagerly while it compiles)."""
+    compiled = _EXECUTABLES.get(sig)
+    if compiled is not None:
+        STATS.cache_hits += 1
+        return compiled
+    loaded = diskcache.load(sig)
+    if loaded is not None:
+        compiled = _Compiled(*loaded)
+        _EXECUTABLES[sig] = compiled
+        return compiled
+    STATS.cache_misses += 1
+    if not config.get("always_compile"):
+        runs = _SEEN.get(sig, 0)
+        first_runs = config.get("eager_first_runs")
+        if config.get("background_compile") and first_runs > 0:
+            _schedule(sig, make_program, _avals(leaves), n_scalars)
+            _SEEN[sig] = runs + 1
+            return None
+        if runs < first_runs:
+            _SEEN[sig] = runs + 1
+            return None
+    _SEEN.pop(sig, None)
+    return _compile_and_store(sig, make_program(), _avals(leaves), n_scalars)
+
+
+def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = None) -> Optional[list[torch.Tensor]]:
+    """Run the subgraph as one XLA computation; None if it should run eagerly this time."""
     sig, make_program, leaves, scalars = build(nodes, outputs)
     if group_record is not None:
         group_record.signature = sig
-    compiled = _EXECUTABLES.get(sig)
+    compiled = lookup(sig, make_program, leaves, len(scalars))
     if compiled is None:
-        STATS.cache_misses += 1
-        compiled = _compile(make_program(), leaves, len(scalars))
-        _EXECUTABLES[sig] = compiled
-    else:
-        STATS.cache_hits += 1
+        return None
     with _x64(), _profile("deferfuse.execute"):
         inputs = [interop.to_jax(v.result) for v in leaves]
         results, failed = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
@@ -323,7 +389,11 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
             record.ran(group, "eager replay")
         else:
             results = _execute_xla_safely(group.nodes, group.outputs, record.groups[_index_of(record, group)])
-            record.ran(group, "xla")
+            if results is None:
+                results = execute_eager(group.nodes, group.outputs)
+                record.ran(group, "eager (compiling)")
+            else:
+                record.ran(group, "xla")
         for v, r in zip(group.outputs, results):
             v.result = r
     return [v.result for v in outputs]
@@ -346,4 +416,6 @@ def _execute_xla_safely(nodes: list[Node], outputs: list[Value], group_record: A
 
 
 def clear_cache() -> None:
+    """Forget compiled executables held in memory (the disk cache stays)."""
     _EXECUTABLES.clear()
+    _SEEN.clear()

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .pointwise import _as, _check, _opmath, _sigmoid
+from .pointwise import _check, _logit_bounds, _sigmoid, _through, _wide
 from .registry import lowering
 
 aten = torch.ops.aten
@@ -25,21 +25,33 @@ _GELU_TANH_KAPPA = 0.044715
 _INV_SQRT_2PI = (2.0 / math.sqrt(math.pi)) * _SQRT1_2 * 0.5              # 1 / sqrt(2 pi)
 
 
-def _compute(ctx, *xs):
-    """Operands in torch's computation dtype for an activation: the result's, widened."""
-    return _as(_opmath(ctx.out_dtype), *xs)
+def _tensors(ctx, *xs):
+    """Tensor operands in the computation dtype: the result's, widened to float32 for
+    float16/bfloat16 as torch's kernels compute."""
+    return _through(ctx.out_dtype, *xs)
+
+
+def _params(ctx, *xs):
+    """Scalar parameters, which torch converts straight to the computation dtype."""
+    return _wide(ctx.out_dtype, *xs)
+
+
+def _rounded_params(ctx, *xs):
+    """Scalar parameters that torch first rounds to the tensor's dtype (hardshrink's lambda: in
+    bfloat16, 0.6 is 0.6015625 and hardshrink(0.6015625, 0.6) is 0)."""
+    return _through(ctx.out_dtype, *xs)
 
 
 # -- forward ---------------------------------------------------------------------------------------
 @lowering(aten.relu.default, check=_check)
 def relu(ctx, x):
-    x = _compute(ctx, x)
+    x = _tensors(ctx, x)
     return jnp.maximum(x, jnp.zeros((), x.dtype))     # NaN propagates, as in torch
 
 
 @lowering(aten.gelu.default, check=_check)
 def gelu(ctx, x, *, approximate="none"):
-    x = _compute(ctx, x)
+    x = _tensors(ctx, x)
     if approximate == "tanh":
         inner = _GELU_TANH_BETA * (x + _GELU_TANH_KAPPA * (x * x * x))
         return 0.5 * x * (1 + jnp.tanh(inner))
@@ -48,39 +60,38 @@ def gelu(ctx, x, *, approximate="none"):
 
 @lowering(aten.silu.default, check=_check)
 def silu(ctx, x):
-    x = _compute(ctx, x)
+    x = _tensors(ctx, x)
     return x / (1 + jnp.exp(-x))
 
 
 @lowering(aten.mish.default, check=_check)
 def mish(ctx, x):
-    x = _compute(ctx, x)
+    x = _tensors(ctx, x)
     return x * jnp.tanh(jnp.log1p(jnp.exp(x)))
 
 
 @lowering(aten.hardtanh.default, check=_check)
 def hardtanh(ctx, x, min_val=-1, max_val=1):
     # a clamp: exact, so the bounds round to the tensor's own dtype
-    dt = ctx.out_dtype
-    x, low, high = _as(dt, x, min_val, max_val)
+    x, low, high = _tensors(ctx, x, min_val, max_val)
     return jnp.minimum(jnp.maximum(x, low), high)
 
 
 @lowering(aten.hardsigmoid.default, check=_check)
 def hardsigmoid(ctx, x):
-    x = _compute(ctx, x)
+    x = _tensors(ctx, x)
     return jnp.minimum(jnp.maximum(x + 3, 0), 6) / 6
 
 
 @lowering(aten.hardswish.default, check=_check)
 def hardswish(ctx, x):
-    x = _compute(ctx, x)
+    x = _tensors(ctx, x)
     return x * jnp.minimum(jnp.maximum(x + 3, 0), 6) / 6
 
 
 @lowering(aten.leaky_relu.default, check=_check)
 def leaky_relu(ctx, x, negative_slope=0.01):
-    x, slope = _compute(ctx, x, negative_slope)
+    x, slope = _tensors(ctx, x), _params(ctx, negative_slope)
     return jnp.where(x > 0, x, x * slope)
 
 
@@ -90,50 +101,50 @@ def _elu(x, alpha, scale, input_scale):
 
 @lowering(aten.elu.default, check=_check)
 def elu(ctx, x, alpha=1, scale=1, input_scale=1):
-    return _elu(*_compute(ctx, x, alpha, scale, input_scale))
+    return _elu(_tensors(ctx, x), *_params(ctx, alpha, scale, input_scale))
 
 
 @lowering(aten.celu.default, check=_check)
 def celu(ctx, x, alpha=1.0):
     # torch: elu(x, alpha, 1, 1 / alpha), the reciprocal taken in double precision
-    x, alpha_c, inv_alpha = _compute(ctx, x, alpha, 1 / jnp.asarray(alpha, jnp.float64))
-    return _elu(x, alpha_c, 1, inv_alpha)
+    alpha_c, inv_alpha = _params(ctx, alpha, 1 / jnp.asarray(alpha, jnp.float64))
+    return _elu(_tensors(ctx, x), alpha_c, 1, inv_alpha)
 
 
 @lowering(aten.softplus.default, check=_check)
 def softplus(ctx, x, beta=1, threshold=20):
-    x, beta, threshold = _compute(ctx, x, beta, threshold)
+    x, (beta, threshold) = _tensors(ctx, x), _params(ctx, beta, threshold)
     scaled = x * beta
     return jnp.where(scaled > threshold, x, jnp.log1p(jnp.exp(scaled)) / beta)
 
 
 @lowering(aten.threshold.default, check=_check)
 def threshold(ctx, x, threshold, value):
-    x, threshold, value = _compute(ctx, x, threshold, value)
+    x, (threshold, value) = _tensors(ctx, x), _params(ctx, threshold, value)
     return jnp.where(x <= threshold, value, x)
 
 
 @lowering(aten.hardshrink.default, check=_check)
 def hardshrink(ctx, x, lambd=0.5):
-    x, lambd = _compute(ctx, x, lambd)
+    x, lambd = _tensors(ctx, x), _rounded_params(ctx, lambd)
     return jnp.where((x >= -lambd) & (x <= lambd), 0, x)
 
 
 @lowering(aten.softshrink.default, check=_check)
 def softshrink(ctx, x, lambd=0.5):
-    x, lambd = _compute(ctx, x, lambd)
+    x, lambd = _tensors(ctx, x), _params(ctx, lambd)
     return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, x * 0))
 
 
 @lowering(aten.glu.default, check=_check)
 def glu(ctx, x, dim=-1):
-    a, b = jnp.split(_compute(ctx, x), 2, axis=dim)
+    a, b = jnp.split(_tensors(ctx, x), 2, axis=dim)
     return a * _sigmoid(b)
 
 
 @lowering(aten.log_sigmoid_forward.default, check=_check)
 def log_sigmoid_forward(ctx, x):
-    x = _compute(ctx, x)
+    x = _tensors(ctx, x)
     z = jnp.exp(-jnp.abs(x))
     out = jnp.minimum(x, 0) - jnp.log1p(z)
     buffer_shape = ctx.out[1].shape
@@ -144,13 +155,13 @@ def log_sigmoid_forward(ctx, x):
 # -- backward --------------------------------------------------------------------------------------
 @lowering(aten.threshold_backward.default, check=_check)
 def threshold_backward(ctx, grad, x, threshold):
-    grad, x, threshold = _compute(ctx, grad, x, threshold)
+    (grad, x), threshold = _tensors(ctx, grad, x), _params(ctx, threshold)
     return jnp.where(x <= threshold, 0, grad)
 
 
 @lowering(aten.gelu_backward.default, check=_check)
 def gelu_backward(ctx, grad, x, *, approximate="none"):
-    grad, x = _compute(ctx, grad, x)
+    grad, x = _tensors(ctx, grad, x)
     if approximate == "tanh":
         x_sq = x * x
         inner = _GELU_TANH_BETA * (x + _GELU_TANH_KAPPA * x_sq * x)
@@ -165,57 +176,57 @@ def gelu_backward(ctx, grad, x, *, approximate="none"):
 
 @lowering(aten.silu_backward.default, check=_check)
 def silu_backward(ctx, grad, x):
-    grad, x = _compute(ctx, grad, x)
+    grad, x = _tensors(ctx, grad, x)
     s = _sigmoid(x)
     return grad * s * (1 + x * (1 - s))
 
 
 @lowering(aten.mish_backward.default, check=_check)
 def mish_backward(ctx, grad, x):
-    grad, x = _compute(ctx, grad, x)
+    grad, x = _tensors(ctx, grad, x)
     tanh_softplus = jnp.tanh(jnp.log1p(jnp.exp(x)))
     return grad * (tanh_softplus + x * _sigmoid(x) * (1 - tanh_softplus * tanh_softplus))
 
 
 @lowering(aten.sigmoid_backward.default, check=_check)
 def sigmoid_backward(ctx, grad, y):
-    grad, y = _compute(ctx, grad, y)
+    grad, y = _tensors(ctx, grad, y)
     return grad * (1 - y) * y
 
 
 @lowering(aten.tanh_backward.default, check=_check)
 def tanh_backward(ctx, grad, y):
-    grad, y = _compute(ctx, grad, y)
+    grad, y = _tensors(ctx, grad, y)
     return grad * (1 - y * y)
 
 
 @lowering(aten.hardtanh_backward.default, check=_check)
 def hardtanh_backward(ctx, grad, x, min_val, max_val):
-    grad, x, low, high = _compute(ctx, grad, x, min_val, max_val)
+    (grad, x), (low, high) = _tensors(ctx, grad, x), _params(ctx, min_val, max_val)
     return jnp.where((x <= low) | (x >= high), 0, grad)
 
 
 @lowering(aten.hardsigmoid_backward.default, check=_check)
 def hardsigmoid_backward(ctx, grad, x):
-    grad, x = _compute(ctx, grad, x)
+    grad, x = _tensors(ctx, grad, x)
     return jnp.where((x > -3) & (x < 3), grad / 6, 0)
 
 
 @lowering(aten.hardswish_backward.default, check=_check)
 def hardswish_backward(ctx, grad, x):
-    grad, x = _compute(ctx, grad, x)
-    return jnp.where(x < -3, 0, jnp.where(x <= 3, grad * (x / 3 + 0.5), grad))
+    grad, x = _tensors(ctx, grad, x)
+    return jnp.where(x <= -3, 0, jnp.where(x < 3, grad * (x / 3 + 0.5), grad))
 
 
 @lowering(aten.leaky_relu_backward.default, check=_check)
 def leaky_relu_backward(ctx, grad, x, negative_slope, self_is_result):
-    grad, x, slope = _compute(ctx, grad, x, negative_slope)
+    (grad, x), slope = _tensors(ctx, grad, x), _params(ctx, negative_slope)
     return jnp.where(x > 0, grad, grad * slope)
 
 
 @lowering(aten.elu_backward.default, check=_check)
 def elu_backward(ctx, grad, alpha, scale, input_scale, is_result, x):
-    grad, x, alpha, scale, input_scale = _compute(ctx, grad, x, alpha, scale, input_scale)
+    (grad, x), (alpha, scale, input_scale) = _tensors(ctx, grad, x), _params(ctx, alpha, scale, input_scale)
     negcoef = alpha * scale
     if is_result:   # x is elu's output
         negative = grad * input_scale * (x + negcoef)
@@ -226,30 +237,30 @@ def elu_backward(ctx, grad, alpha, scale, input_scale, is_result, x):
 
 @lowering(aten.softplus_backward.default, check=_check)
 def softplus_backward(ctx, grad, x, beta, threshold):
-    grad, x, beta, threshold = _compute(ctx, grad, x, beta, threshold)
+    (grad, x), (beta, threshold) = _tensors(ctx, grad, x), _params(ctx, beta, threshold)
     z = jnp.exp(x * beta)
     return jnp.where(x * beta > threshold, grad, grad * z / (z + 1))
 
 
 @lowering(aten.hardshrink_backward.default, aten.softshrink_backward.default, check=_check)
 def shrink_backward(ctx, grad, x, lambd):
-    grad, x, lambd = _compute(ctx, grad, x, lambd)
+    (grad, x), lambd = _tensors(ctx, grad, x), _rounded_params(ctx, lambd)
     return jnp.where((x >= -lambd) & (x <= lambd), 0, grad)
 
 
 @lowering(aten.logit_backward.default, check=_check)
 def logit_backward(ctx, grad, x, eps=None):
-    grad, x = _compute(ctx, grad, x)
+    grad, x = _tensors(ctx, grad, x)
     derivative = grad / (x * (1 - x))
     if eps is None or eps < 0:
         return jnp.where((x < 0) | (x > 1), jnp.nan, derivative)
-    low, high = _as(x.dtype, eps, 1 - eps)
+    low, high = _logit_bounds(ctx.out_dtype, eps)
     return jnp.where((x < low) | (x > high), 0, derivative)
 
 
 @lowering(aten.log_sigmoid_backward.default, check=_check)
 def log_sigmoid_backward(ctx, grad, x, buffer):
-    grad, x = _compute(ctx, grad, x)
+    grad, x = _tensors(ctx, grad, x)
     negative = x < 0
     z = jnp.exp(-jnp.abs(x))
     return grad * (jnp.where(negative, 1, 0) - jnp.where(negative, 1, -1) * (z / (1 + z)))
@@ -257,7 +268,7 @@ def log_sigmoid_backward(ctx, grad, x, buffer):
 
 @lowering(aten.glu_backward.default, check=_check)
 def glu_backward(ctx, grad, x, dim):
-    grad, x = _compute(ctx, grad, x)
+    grad, x = _tensors(ctx, grad, x)
     a, b = jnp.split(x, 2, axis=dim)
     s = _sigmoid(b)
     return jnp.concatenate([grad * s, grad * a * s * (1 - s)], axis=dim)

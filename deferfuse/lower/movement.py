@@ -110,14 +110,21 @@ def _pad_then_crop(x, padding, mode: str):
     return grown[crop]
 
 
-@lowering(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
+def _check_not_bool(ctx):
+    # torch's CPU kernel is not implemented for bool; declined, torch raises eagerly
+    return "bool" if ctx.args[0].dtype == torch.bool else None
+
+
+@lowering(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default,
+          check=_check_not_bool)
 def reflection_pad(ctx, x, padding):
     # A negative pad crops after reflecting about the original edges; padding first and cropping
     # afterwards keeps those edges.
     return _pad_then_crop(x, padding, "reflect")
 
 
-@lowering(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
+@lowering(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default,
+          check=_check_not_bool)
 def replication_pad(ctx, x, padding):
     return _pad_then_crop(x, padding, "edge")
 
@@ -356,7 +363,17 @@ def scatter_add(ctx, x, dim, index, src):
     return _scatter(x, dim, index, src, "sum")
 
 
-@lowering(aten.scatter_reduce.two)
+def _check_reduce_dtype(ctx):
+    # torch's CPU kernels lack these; declined, torch raises eagerly
+    dtype, reduce = ctx.args[0].dtype, _arg(ctx, 4, "reduce")
+    if dtype == torch.bool and reduce == "mean":
+        return "mean of bool"
+    if dtype.is_complex and reduce in ("amax", "amin"):
+        return "complex values have no order"
+    return None
+
+
+@lowering(aten.scatter_reduce.two, check=_check_reduce_dtype)
 def scatter_reduce(ctx, x, dim, index, src, reduce, *, include_self=True):
     return _scatter(x, dim, index, src, reduce, include_self)
 
@@ -401,35 +418,43 @@ def unsafe_masked_index_put_accumulate(ctx, x, mask, indices, values):
     return x.astype(dtype).at[bounded].add(jnp.where(mask, values, 0).astype(dtype))
 
 
-def _mask_put_layout(ctx):
-    """index_put with a boolean mask: (mask position, mask rank) when the values are the same
-    for every selected element, so the result does not depend on how many the mask selects;
-    otherwise a reason string."""
-    x, indices, values = ctx.args[0], _arg(ctx, 1, "indices"), _arg(ctx, 2, "values")
+def _single_mask(indices):
+    """(position, meta) of the one boolean mask among ``indices`` and no other index tensor."""
     tensors = [(d, ix) for d, ix in enumerate(indices) if ix is not None]
-    if len(tensors) != 1 or tensors[0][1].dtype != torch.bool:
-        return "boolean mask mixed with other indices"
-    pos, mask = tensors[0]
-    k = len(mask.shape)
-    if tuple(x.shape[pos:pos + k]) != tuple(mask.shape):
-        return "mask shape differs from the indexed dims"
-    # x[mask] has shape x.shape[:pos] + (nnz,) + x.shape[pos+k:]; values must be 1 along nnz
-    selected = tuple(x.shape[:pos]) + (1,) + tuple(x.shape[pos + k:])
-    if not _expandable(values.shape, selected):
-        return "values differ between the selected elements (data-dependent), or do not broadcast"
-    return pos, k
+    if len(tensors) == 1 and tensors[0][1].dtype == torch.bool:
+        return tensors[0]
+    return None
 
 
 def _check_index_put(ctx):
-    # Values that do not broadcast are declined, so that torch raises its own error eagerly:
-    # the meta function of index_put does not check them.
-    indices, values = _arg(ctx, 1, "indices"), _arg(ctx, 2, "values")
-    if any(_is_mask(ix) for ix in indices):
-        layout = _mask_put_layout(ctx)
-        return layout if isinstance(layout, str) else None
-    args, _ = ctx.meta_args()
-    if not _expandable(values.shape, aten.index.Tensor(args[0], args[1]).shape):
-        return "values do not broadcast to the indexed shape"
+    x, indices, values = ctx.args[0], _arg(ctx, 1, "indices"), _arg(ctx, 2, "values")
+    accumulate = ctx.args[3] if len(ctx.args) > 3 else ctx.kwargs.get("accumulate", False)
+    if any(isinstance(ix, TensorMeta) and ix.dtype == torch.uint8 for ix in indices):
+        return "uint8 mask index (deprecated)"
+    mask = _single_mask(indices)
+    # torch turns x[mask] = one-element tensor into masked_fill, which converts the value;
+    # everywhere else its kernel (not its meta function) insists on equal dtypes
+    masked_fill = mask is not None and not accumulate and _numel(values.shape) == 1
+    if values.dtype != x.dtype and not masked_fill:
+        raise RuntimeError(f"Index put requires the source and destination dtypes match, got {x.dtype} "
+                           f"for the destination and {values.dtype} for the source.")
+    if not any(_is_mask(ix) for ix in indices):
+        # values that do not broadcast are declined, so that torch raises its own error eagerly
+        args, _ = ctx.meta_args()
+        if not _expandable(values.shape, aten.index.Tensor(args[0], args[1]).shape):
+            return "values do not broadcast to the indexed shape"
+        return None
+    if mask is None:
+        return "boolean mask mixed with other indices"
+    pos, mask = mask
+    k = len(mask.shape)
+    if tuple(x.shape[pos:pos + k]) != tuple(mask.shape):
+        return "mask shape differs from the indexed dims"
+    # x[mask] has shape x.shape[:pos] + (nnz,) + x.shape[pos+k:]; values constant along nnz do
+    # not depend on how many elements the mask selects
+    selected = tuple(x.shape[:pos]) + (1,) + tuple(x.shape[pos + k:])
+    if not (masked_fill or _expandable(values.shape, selected)):
+        return "values differ between the selected elements (data-dependent), or do not broadcast"
     return None
 
 
@@ -437,17 +462,18 @@ def _check_index_put(ctx):
 def index_put(ctx, x, indices, values, accumulate=False):
     dtype = _arith_dtype(x.dtype) if accumulate else x.dtype
     x, values = x.astype(dtype), values.astype(dtype)
-    if not any(_is_mask(ix) for ix in _arg(ctx, 1, "indices")):
+    mask = _single_mask(_arg(ctx, 1, "indices"))
+    if mask is None:
         where = _index_tuple(x, indices)
         return x.at[where].add(values) if accumulate else x.at[where].set(values)
-    # x[mask] = v with v the same for every selected element is a select
-    pos, k = _mask_put_layout(ctx)
-    mask = indices[pos]
-    mask = mask.reshape((1,) * pos + mask.shape + (1,) * (x.ndim - pos - k))
-    # values line up with x[mask]'s shape x.shape[:pos] + (nnz,) + x.shape[pos+k:]; put the k
+    # x[mask] = v, with v the same for every selected element, is a select
+    pos, k = mask[0], len(mask[1].shape)
+    mask = indices[pos].reshape((1,) * pos + indices[pos].shape + (1,) * (x.ndim - pos - k))
+    if values.size == 1:
+        values = values.reshape(())
+    # values line up with x[mask]'s shape x.shape[:pos] + (nnz,) + x.shape[pos+k:]: put the k
     # mask dims where the nnz dim was
-    rank = x.ndim - k + 1
-    values = values.reshape((1,) * (rank - values.ndim) + values.shape)
+    values = values.reshape((1,) * (x.ndim - k + 1 - values.ndim) + values.shape)
     values = values.reshape(values.shape[:pos] + (1,) * k + values.shape[pos + 1:])
     values = jnp.broadcast_to(values, x.shape)
     return x + jnp.where(mask, values, 0) if accumulate else jnp.where(mask, values, x)
@@ -488,11 +514,15 @@ def _check_index_source(ctx):
     name = ctx.op._schema.name.split("::")[-1]
     dim = _dim(dim, len(x.shape))
     numel = _numel(index.shape)
+    if source.dtype != x.dtype:
+        raise RuntimeError(f"{name}_(): self ({x.dtype}) and source ({source.dtype}) must have the same "
+                           f"scalar type")
     if len(index.shape) > 1:
         raise IndexError(f"{name}_(): Index is supposed to be a vector, but got dim: {len(index.shape)}")
     if numel != (source.shape[dim] if source.shape else 1):
         raise RuntimeError(f"{name}_(): Number of indices ({numel}) should be equal to source.size(dim)")
-    if x.shape[:dim] + x.shape[dim + 1:] != source.shape[:dim] + source.shape[dim + 1:]:
+    if (len(x.shape) != len(source.shape)
+            or x.shape[:dim] + x.shape[dim + 1:] != source.shape[:dim] + source.shape[dim + 1:]):
         raise RuntimeError(f"source tensor shape must match self tensor shape, excluding the specified "
                            f"dimension. Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
     return None
@@ -507,7 +537,16 @@ def index_add(ctx, x, dim, index, source, *, alpha=1):
     return x1.at[where].add(source).reshape(x.shape)
 
 
-@lowering(aten.index_copy.default)
+def _require_same_dtype(ctx, source):
+    # torch's kernel checks this, its meta function does not
+    x = ctx.args[0]
+    if source.dtype != x.dtype:
+        name = ctx.op._schema.name.split("::")[-1]
+        raise RuntimeError(f"{name}_(): self and source expected to have the same dtype, but got "
+                           f"{x.dtype} and {source.dtype}")
+
+
+@lowering(aten.index_copy.default, check=lambda ctx: _require_same_dtype(ctx, _arg(ctx, 3, "source")))
 def index_copy(ctx, x, dim, index, source):
     x1, where, source = _index_update(x, dim, index, source.astype(x.dtype))
     return x1.at[where].set(source).reshape(x.shape)
@@ -519,7 +558,7 @@ def index_fill(ctx, x, dim, index, value):
     return x1.at[where].set(_fill(value, x.dtype)).reshape(x.shape)
 
 
-@lowering(aten.index_reduce.default, check=_check_index_source)
+@lowering(aten.index_reduce.default, check=lambda ctx: _check_index_source(ctx) or _check_reduce_dtype(ctx))
 def index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
     x1, where, source = _index_update(x, dim, index, source)
     return _scatter_reduce(x1, where, source, reduce, include_self).reshape(x.shape)
@@ -539,6 +578,7 @@ def take(ctx, x, index):
 
 def _check_put(ctx):
     index, source = ctx.args[1], ctx.args[2]
+    _require_same_dtype(ctx, source)
     if _numel(index.shape) != _numel(source.shape):
         raise IndexError("put_(): Expected source and index to have the same number of elements, but got "
                          f"source.numel() = {_numel(source.shape)}, index.numel() = {_numel(index.shape)}")
@@ -579,18 +619,28 @@ def _sort(x, dim: int, descending: bool):
     return jnp.flip(values, axis), x.shape[axis] - 1 - jnp.flip(indices, axis)
 
 
-@lowering(aten.sort.default)
+def _check_sortable(ctx):
+    # declined, torch raises its own errors eagerly (sort and topk have no decomposition)
+    dtype = ctx.args[0].dtype
+    if dtype.is_complex:
+        return "complex values have no order"
+    if dtype == torch.bool and ctx.op is aten.topk.default:
+        return "torch's CPU topk does not support bool"
+    return None
+
+
+@lowering(aten.sort.default, check=_check_sortable)
 def sort(ctx, x, dim=-1, descending=False):
     # torch's unstable sort leaves the order of equal elements unspecified; a stable one is valid
     return _sort(x, dim, descending)
 
 
-@lowering(aten.sort.stable)
+@lowering(aten.sort.stable, check=_check_sortable)
 def sort_stable(ctx, x, *, stable=None, dim=-1, descending=False):
     return _sort(x, dim, descending)
 
 
-@lowering(aten.topk.default)
+@lowering(aten.topk.default, check=_check_sortable)
 def topk(ctx, x, k, dim=-1, largest=True, sorted=True):
     # sorted=False leaves the order unspecified in torch; sorted order is one valid answer
     values, indices = _sort(x, dim, largest)
@@ -630,8 +680,16 @@ def _searchsorted(ctx, sequence, values, right, side, sorter):
 
 
 def _check_searchsorted(ctx):
-    if any(m.dtype.is_complex for m in ctx.tensor_args()):
-        return "complex values have no order"
+    if any(m.dtype.is_complex or m.dtype == torch.bool for m in ctx.tensor_args()):
+        return "complex or bool values"  # torch raises eagerly
+    if ctx.kwargs.get("side") not in (None, "left", "right"):
+        return "unknown side"  # torch raises eagerly
+    sorter = ctx.kwargs.get("sorter")
+    if sorter is not None and sorter.dtype != torch.int64:
+        return "sorter is not int64"  # torch raises eagerly
+    if ctx.op in (aten.bucketize.Tensor, aten.bucketize.Scalar) and len(ctx.args[1].shape) != 1:
+        # torch's kernel checks this, its meta function does not, its decomposition neither
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({len(ctx.args[1].shape)})")
     return None
 
 

@@ -1,3 +1,525 @@
-"""nn lowerings."""
+"""Neural-network lowerings: convolution (and its backward), embedding, nll_loss, pooling,
+nearest upsampling and the pointwise losses that reach aten as single ops.
+
+Conventions:
+- float16/bfloat16 compute in float32 and round once at the end, as torch's CPU kernels
+  accumulate in float; integer convolutions accumulate in int64 and wrap when cast back (exact).
+- Every window, index and divisor of a pooling or upsampling op depends only on shapes, so it is
+  computed here in NumPy at trace time and enters the program as a constant.
+- Backward ops of linear forward ops (convolution, average pooling, upsampling) are the VJP of the
+  forward rule: the transpose of exactly the arithmetic the forward does.
+- Out-of-range targets and indices (nll_loss, embedding) and BCE inputs outside [0, 1] make torch
+  raise from inside its kernels; deferred code cannot see the data, so those calls give garbage
+  (NaN where possible) instead of an error.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from .linalg import raise_like_cpu
+from .registry import LoweringContext, lowering
+
+aten = torch.ops.aten
+
+_HIGHEST = lax.Precision.HIGHEST
+_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_F32 = jnp.dtype(jnp.float32)
+_I64 = jnp.dtype(jnp.int64)
+_MEAN, _SUM = 1, 2   # at::Reduction (0 is none)
+
+
+def _acc(x):
+    """``x`` in the type torch's CPU kernels compute in: float32 for half types, int64 for ints."""
+    if x.dtype in _HALF_TYPES:
+        return x.astype(_F32)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(_I64)
+    return x
+
+
+def _tuple(value, n: int) -> tuple[int, ...]:
+    """An int-list argument expanded to ``n`` spatial dims (aten accepts one value for all)."""
+    value = [value] if isinstance(value, int) else list(value)
+    return tuple(value * n) if len(value) == 1 else tuple(value)
+
+
+def _reduce(loss, reduction: int):
+    if reduction == _MEAN:
+        return loss.mean()
+    if reduction == _SUM:
+        return loss.sum()
+    return loss
+
+
+def _check_dtypes(ctx: LoweringContext, tensors, *, floating: bool) -> Optional[str]:
+    """Decline complex; replay calls the CPU kernels reject (mixed or bool dtypes, and integers
+    where ``floating``) so that torch raises its own exception."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if any(dt.is_complex for dt in dtypes):
+        return "complex dtypes are not lowered"
+    if len(dtypes) > 1 or torch.bool in dtypes or (floating and not all(dt.is_floating_point for dt in dtypes)):
+        return raise_like_cpu(ctx)
+    return None
+
+
+# -- convolution ---------------------------------------------------------------------------------
+
+def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
+    nd = x.ndim - 2
+    stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
+    spatial = "DHW"[3 - nd:] if nd <= 3 else None
+    dims = ("NC" + spatial, "OI" + spatial, "NC" + spatial)
+    acc = _acc(x).dtype
+    x, w = x.astype(acc), w.astype(acc)
+    if not transposed:
+        return lax.conv_general_dilated(
+            x, w, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
+            feature_group_count=groups, dimension_numbers=dims, precision=_HIGHEST,
+            preferred_element_type=acc)
+    # A transposed convolution is the convolution whose input is dilated by the stride, with the
+    # kernel flipped and its in/out channels swapped within each group.
+    output_padding = _tuple(output_padding, nd)
+    c_in, c_out_per_group, *kernel = w.shape
+    w = w.reshape(groups, c_in // groups, c_out_per_group, *kernel)
+    w = jnp.swapaxes(w, 1, 2).reshape(groups * c_out_per_group, c_in // groups, *kernel)
+    w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+    pads = [(d * (k - 1) - p, d * (k - 1) - p + op)
+            for k, p, d, op in zip(kernel, padding, dilation, output_padding)]
+    return lax.conv_general_dilated(
+        x, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
+        feature_group_count=groups, dimension_numbers=dims, precision=_HIGHEST,
+        preferred_element_type=acc)
+
+
+def _check_conv(ctx: LoweringContext) -> Optional[str]:
+    if not 1 <= len(ctx.args[0].shape) - 2 <= 3:
+        return "only 1d, 2d and 3d convolutions are lowered"
+    return _check_dtypes(ctx, ctx.args[:3], floating=False)
+
+
+@lowering(aten.convolution.default, check=_check_conv)
+def convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    out = _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
+    if bias is not None:
+        out = out + _acc(bias).reshape((1, -1) + (1,) * (out.ndim - 2))
+    return out
+
+
+def _check_conv_backward(ctx: LoweringContext) -> Optional[str]:
+    if not 1 <= len(ctx.args[1].shape) - 2 <= 3:
+        return "only 1d, 2d and 3d convolutions are lowered"
+    if not all(ctx.args[10]):
+        # The recorder rebuilds an op's outputs from its tensor outputs only, so a None output
+        # (torch's "not requested") shifts the others.  Remove this once it keeps the positions.
+        return "core: outputs that output_mask leaves undefined are not restored as None"
+    return _check_dtypes(ctx, ctx.args[:3], floating=True)
+
+
+@lowering(aten.convolution_backward.default, check=_check_conv_backward)
+def convolution_backward(ctx, grad_output, x, w, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):
+    g = _acc(grad_output)
+
+    def forward(x, w):
+        return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
+    _, vjp = jax.vjp(forward, _acc(x), _acc(w))
+    grad_input, grad_weight = vjp(g)
+    grad_bias = g.sum(axis=(0,) + tuple(range(2, g.ndim)))
+    # outputs torch leaves undefined (output_mask False) are absent from ctx.out
+    return tuple(r for r, wanted in zip((grad_input, grad_weight, grad_bias), output_mask) if wanted)
+
+
+# -- embedding -----------------------------------------------------------------------------------
+
+def _check_embedding(ctx: LoweringContext) -> Optional[str]:
+    if ctx.args[0].dtype.is_complex:
+        return "complex embeddings are not lowered"
+    return None
+
+
+@lowering(aten.embedding.default, check=_check_embedding)
+def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    # padding_idx only changes the backward.  Out-of-range indices give NaN (torch raises).
+    return jnp.take(weight, indices, axis=0, mode="fill")
+
+
+def _check_embedding_backward(ctx: LoweringContext) -> Optional[str]:
+    return _check_dtypes(ctx, ctx.args[:1], floating=True)
+
+
+@lowering(aten.embedding_dense_backward.default, check=_check_embedding_backward)
+def embedding_dense_backward(ctx, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    dim = grad_output.shape[-1]
+    g = _acc(grad_output).reshape(-1, dim)
+    idx = indices.reshape(-1)
+    keep = idx != padding_idx
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[idx].add(1, mode="drop")
+        g = g / counts[jnp.clip(idx, 0, num_weights - 1)][:, None]
+    g = jnp.where(keep[:, None], g, 0)
+    return jnp.zeros((num_weights, dim), g.dtype).at[idx].add(g, mode="drop")
+
+
+# -- nll_loss ------------------------------------------------------------------------------------
+
+def _check_nll(ctx: LoweringContext) -> Optional[str]:
+    x = ctx.args[1] if ctx.op in (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default) \
+        else ctx.args[0]
+    if not x.dtype.is_floating_point:
+        return raise_like_cpu(ctx)
+    return None
+
+
+def _target_weights(x, target, weight, ignore_index, class_axis):
+    """(per-target weights with ignored targets at 0, ignored mask, targets safe to gather)."""
+    ignored = target == ignore_index
+    safe = jnp.where(ignored, 0, target)
+    acc = _acc(x).dtype
+    w = jnp.ones(target.shape, acc) if weight is None else _acc(weight)[safe]
+    return jnp.where(ignored, jnp.zeros((), acc), w), ignored, safe
+
+
+def _nll_forward(x, target, weight, reduction, ignore_index):
+    class_axis = 0 if x.ndim == 1 else 1
+    w, ignored, safe = _target_weights(x, target, weight, ignore_index, class_axis)
+    picked = jnp.take_along_axis(_acc(x), jnp.expand_dims(safe, class_axis), axis=class_axis,
+                                 mode="fill")
+    picked = jnp.squeeze(picked, class_axis)
+    # where, not a multiplication by 0: an ignored target's NaN input must not leak in
+    losses = jnp.where(ignored, jnp.zeros((), w.dtype), -picked * w)
+    if reduction == 0:
+        return losses, jnp.zeros((), w.dtype)
+    total_weight = w.sum()
+    total = losses.sum()
+    return (total / total_weight if reduction == _MEAN else total), total_weight
+
+
+def _nll_backward(grad_output, x, target, weight, reduction, ignore_index, total_weight):
+    class_axis = 0 if x.ndim == 1 else 1
+    w, ignored, safe = _target_weights(x, target, weight, ignore_index, class_axis)
+    g = _acc(grad_output)
+    if reduction == _MEAN:
+        g = g / _acc(total_weight)
+    per_target = jnp.where(ignored, jnp.zeros((), w.dtype), w * -g)
+    classes = lax.broadcasted_iota(jnp.int64, x.shape, class_axis)
+    hit = classes == jnp.expand_dims(safe, class_axis)
+    return jnp.where(hit, jnp.expand_dims(per_target, class_axis), jnp.zeros((), w.dtype))
+
+
+@lowering(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, check=_check_nll)
+def nll_loss_forward(ctx, x, target, weight, reduction, ignore_index):
+    return _nll_forward(x, target, weight, reduction, ignore_index)
+
+
+@lowering(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default, check=_check_nll)
+def nll_loss_backward(ctx, grad_output, x, target, weight, reduction, ignore_index, total_weight):
+    return _nll_backward(grad_output, x, target, weight, reduction, ignore_index, total_weight)
+
+
+# -- pooling -------------------------------------------------------------------------------------
+
+def _pool_params(kernel_size, stride, padding, dilation=1):
+    kernel = _tuple(kernel_size, 2)
+    stride = _tuple(stride, 2) if stride else kernel   # an empty stride means the kernel size
+    return kernel, stride, _tuple(padding, 2), _tuple(dilation, 2)
+
+
+def _windows(in_size: int, out_size: int, kernel: int, stride: int, pad: int, dilation: int):
+    """Per output position and kernel tap: the input index it reads and whether that is inside."""
+    taps = np.arange(out_size)[:, None] * stride - pad + np.arange(kernel)[None, :] * dilation
+    return taps, (taps >= 0) & (taps < in_size)
+
+
+def _padded_taps(x, kernel, stride, pad, dilation, out_hw, fill):
+    """The kernel taps as strided slices of ``x`` padded with ``fill``: a list over (kh, kw) of
+    arrays shaped like the output."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), (oh, ow) = kernel, stride, pad, dilation, out_hw
+    h, w = x.shape[-2:]
+    need_h, need_w = (oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1
+    lead = [(0, 0)] * (x.ndim - 2)
+    x = jnp.pad(x, lead + [(ph, max(0, need_h - ph - h)), (pw, max(0, need_w - pw - w))],
+                constant_values=fill)
+    return [x[..., i * dh:i * dh + (oh - 1) * sh + 1:sh, j * dw:j * dw + (ow - 1) * sw + 1:sw]
+            for i in range(kh) for j in range(kw)]
+
+
+def _check_pool(ctx: LoweringContext) -> Optional[str]:
+    backward = ctx.op._schema.name.endswith("_backward")
+    x = ctx.args[1] if backward else ctx.args[0]
+    if x.dtype.is_complex:
+        return "complex pooling is not lowered"
+    if x.dtype == torch.bool or (ctx.op is not aten.max_pool2d_with_indices.default
+                                 and not x.dtype.is_floating_point):
+        return raise_like_cpu(ctx)   # e.g. "avg_pool2d" not implemented for 'Byte'
+    return None
+
+
+@lowering(aten.max_pool2d_with_indices.default, check=_check_pool)
+def max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    kernel, stride, pad, dilation = _pool_params(kernel_size, stride, padding, dilation)
+    (h, w), (oh, ow) = x.shape[-2:], ctx.out_shape[-2:]
+    rows, row_ok = _windows(h, oh, kernel[0], stride[0], pad[0], dilation[0])
+    cols, col_ok = _windows(w, ow, kernel[1], stride[1], pad[1], dilation[1])
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        fill = -np.inf
+    else:
+        fill = np.iinfo(x.dtype).min
+    taps = _padded_taps(x, kernel, stride, pad, dilation, (oh, ow), fill)
+    # torch scans the window in row-major order from the first in-bounds tap, taking a value when
+    # it is greater than the running max or NaN: ties keep the first index, NaNs the last one.
+    best = jnp.full(taps[0].shape, fill, x.dtype)
+    first = np.full((oh, ow), -1, np.int64)
+    index = jnp.zeros(taps[0].shape, jnp.int64)
+    for t, (i, j) in enumerate((i, j) for i in range(kernel[0]) for j in range(kernel[1])):
+        inside = row_ok[:, i][:, None] & col_ok[:, j][None, :]
+        flat = rows[:, i][:, None] * w + cols[:, j][None, :]
+        first = np.where((first < 0) & inside, flat, first)
+        take = (taps[t] > best) | jnp.isnan(taps[t]) if jnp.issubdtype(x.dtype, jnp.floating) \
+            else taps[t] > best
+        take = take & inside
+        best = jnp.where(take, taps[t], best)
+        index = jnp.where(take, flat, index)
+    # a window whose inside values are all -inf (or the integer minimum) keeps its first index
+    untouched = best == fill
+    index = jnp.where(untouched, jnp.asarray(np.maximum(first, 0)), index)
+    return best, index
+
+
+@lowering(aten.max_pool2d_with_indices_backward.default, check=_check_pool)
+def max_pool2d_with_indices_backward(ctx, grad_output, x, kernel_size, stride, padding, dilation,
+                                     ceil_mode, indices):
+    h, w = x.shape[-2:]
+    lead = x.shape[:-2]
+    planes = math.prod(lead)
+    g = _acc(grad_output).reshape(planes, -1)
+    idx = indices.reshape(planes, -1)
+    rows = jnp.arange(planes)[:, None]
+    grad = jnp.zeros((planes, h * w), g.dtype).at[rows, idx].add(g, mode="drop")
+    return grad.reshape(x.shape)
+
+
+def _avg_divisors(h, w, oh, ow, kernel, stride, pad, count_include_pad, divisor_override):
+    """torch's avg_pool2d divisor for each output position (shape (oh, ow))."""
+    def bounds(size, out, k, s, p):
+        start = np.arange(out) * s - p
+        end = np.minimum(start + k, size + p)
+        pool = end - start
+        return pool, np.maximum(start, 0), np.minimum(end, size)
+    pool_h, h0, h1 = bounds(h, oh, kernel[0], stride[0], pad[0])
+    pool_w, w0, w1 = bounds(w, ow, kernel[1], stride[1], pad[1])
+    if divisor_override:
+        divisor = np.full((oh, ow), divisor_override, np.int64)
+    elif count_include_pad:
+        divisor = pool_h[:, None] * pool_w[None, :]
+    else:
+        divisor = (h1 - h0)[:, None] * (w1 - w0)[None, :]
+    # a window entirely in the padding sums nothing; torch writes 0 there
+    return np.where(divisor > 0, divisor, 1)
+
+
+def _avg_pool(x, out_hw, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    kernel, stride, pad, _ = _pool_params(kernel_size, stride, padding)
+    (h, w), (oh, ow) = x.shape[-2:], out_hw
+    taps = _padded_taps(_acc(x), kernel, stride, pad, (1, 1), (oh, ow), 0)
+    total = taps[0]
+    for t in taps[1:]:
+        total = total + t
+    divisor = _avg_divisors(h, w, oh, ow, kernel, stride, pad, count_include_pad, divisor_override)
+    return total / jnp.asarray(divisor, total.dtype)
+
+
+@lowering(aten.avg_pool2d.default, check=_check_pool)
+def avg_pool2d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return _avg_pool(x, ctx.out_shape[-2:], kernel_size, stride, padding, ceil_mode,
+                     count_include_pad, divisor_override)
+
+
+@lowering(aten.avg_pool2d_backward.default, check=_check_pool)
+def avg_pool2d_backward(ctx, grad_output, x, kernel_size, stride, padding, ceil_mode,
+                        count_include_pad, divisor_override):
+    g = _acc(grad_output)
+
+    def forward(x):
+        return _avg_pool(x, g.shape[-2:], kernel_size, stride, padding, ceil_mode,
+                         count_include_pad, divisor_override)
+    return jax.vjp(forward, _acc(x))[1](g)[0]
+
+
+def _adaptive_windows(in_size: int, out_size: int):
+    """(gather indices (out, longest window), mask of real taps, window lengths) of adaptive
+    pooling: window o covers [floor(o * in / out), ceil((o + 1) * in / out))."""
+    o = np.arange(out_size)
+    start = (o * in_size) // out_size
+    end = -((-(o + 1) * in_size) // out_size)
+    longest = int((end - start).max()) if out_size else 0
+    taps = start[:, None] + np.arange(longest)[None, :]
+    inside = taps < end[:, None]
+    return np.minimum(taps, in_size - 1), inside, end - start
+
+
+def _adaptive_avg_pool(x, out_hw):
+    (h, w), (oh, ow) = x.shape[-2:], out_hw
+    rows, row_in, row_len = _adaptive_windows(h, oh)
+    cols, col_in, col_len = _adaptive_windows(w, ow)
+    x = _acc(x)
+    patches = x[..., rows[:, :, None, None], cols[None, None, :, :]]   # (..., oh, kh, ow, kw)
+    inside = row_in[:, :, None, None] & col_in[None, None, :, :]
+    total = jnp.where(inside, patches, jnp.zeros((), x.dtype)).sum(axis=(-3, -1))
+    return total / jnp.asarray(row_len[:, None] * col_len[None, :], x.dtype)
+
+
+@lowering(aten._adaptive_avg_pool2d.default, check=_check_pool)
+def adaptive_avg_pool2d(ctx, x, output_size):
+    return _adaptive_avg_pool(x, ctx.out_shape[-2:])
+
+
+@lowering(aten._adaptive_avg_pool2d_backward.default, check=_check_pool)
+def adaptive_avg_pool2d_backward(ctx, grad_output, x):
+    g = _acc(grad_output)
+    return jax.vjp(lambda x: _adaptive_avg_pool(x, g.shape[-2:]), _acc(x))[1](g)[0]
+
+
+# -- nearest upsampling --------------------------------------------------------------------------
+
+def _nearest_source(out_size: int, in_size: int, scale: Optional[float]) -> np.ndarray:
+    """torch's nearest_idx: exact for equal and doubled sizes, else floor(o * scale) in float32
+    with scale = 1 / scale_factor when given, in / out otherwise."""
+    o = np.arange(out_size)
+    if out_size == in_size:
+        return o
+    if out_size == 2 * in_size:
+        return o >> 1
+    if scale is not None and scale > 0:
+        s = np.float32(1.0 / scale)
+    else:
+        s = np.float32(in_size) / np.float32(out_size)
+    return np.minimum(np.floor(o.astype(np.float32) * s).astype(np.int64), in_size - 1)
+
+
+def _upsample_nearest(x, out_hw, scales_h, scales_w):
+    rows = _nearest_source(out_hw[0], x.shape[-2], scales_h)
+    cols = _nearest_source(out_hw[1], x.shape[-1], scales_w)
+    return x[..., rows[:, None], cols[None, :]]
+
+
+def _check_upsample(ctx: LoweringContext) -> Optional[str]:
+    dtype = ctx.args[0].dtype
+    if dtype.is_complex:
+        return "complex upsampling is not lowered"
+    if not (dtype.is_floating_point or dtype == torch.uint8):
+        return raise_like_cpu(ctx)
+    return None
+
+
+@lowering(aten.upsample_nearest2d.default, check=_check_upsample)
+def upsample_nearest2d(ctx, x, output_size, scales_h=None, scales_w=None):
+    return _upsample_nearest(x, ctx.out_shape[-2:], scales_h, scales_w)
+
+
+@lowering(aten.upsample_nearest2d.vec, check=_check_upsample)
+def upsample_nearest2d_vec(ctx, x, output_size, scale_factors):
+    # torch passes the scale factors on only when they, not a size, were given
+    scales = scale_factors if scale_factors is not None and output_size is None else (None, None)
+    return _upsample_nearest(x, ctx.out_shape[-2:], *scales)
+
+
+@lowering(aten.upsample_nearest2d_backward.default, check=_check_upsample)
+def upsample_nearest2d_backward(ctx, grad_output, output_size, input_size, scales_h=None,
+                                scales_w=None):
+    g = _acc(grad_output)
+    zeros = jnp.zeros(tuple(input_size), g.dtype)
+    return jax.vjp(lambda x: _upsample_nearest(x, output_size, scales_h, scales_w), zeros)[1](g)[0]
+
+
+# -- pointwise losses ----------------------------------------------------------------------------
+
+def _check_loss(ctx: LoweringContext) -> Optional[str]:
+    return _check_dtypes(ctx, [t for t in ctx.args if hasattr(t, "dtype")], floating=True)
+
+
+def _norm(x, reduction):
+    """The factor torch's loss backward kernels scale by: 1/numel for mean."""
+    return 1.0 / x.size if reduction == _MEAN else 1.0
+
+
+@lowering(aten.mse_loss.default, check=_check_loss)
+def mse_loss(ctx, x, target, reduction=_MEAN):
+    d = _acc(x) - _acc(target)
+    return _reduce(d * d, reduction)
+
+
+@lowering(aten.mse_loss_backward.default, check=_check_loss)
+def mse_loss_backward(ctx, grad_output, x, target, reduction):
+    d = _acc(x) - _acc(target)
+    return d * jnp.asarray(2.0 * _norm(x, reduction), d.dtype) * _acc(grad_output)
+
+
+@lowering(aten.smooth_l1_loss.default, check=_check_loss)
+def smooth_l1_loss(ctx, x, target, reduction=_MEAN, beta=1.0):
+    z = jnp.abs(_acc(x) - _acc(target))
+    if beta == 0:
+        return _reduce(z, reduction)
+    loss = jnp.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta)
+    return _reduce(loss, reduction)
+
+
+@lowering(aten.smooth_l1_loss_backward.default, check=_check_loss)
+def smooth_l1_loss_backward(ctx, grad_output, x, target, reduction, beta):
+    d = _acc(x) - _acc(target)
+    g = _acc(grad_output) * jnp.asarray(_norm(x, reduction), d.dtype)
+    inner = d * g / beta if beta else jnp.zeros_like(d)
+    return jnp.where(d <= -beta, -g, jnp.where(d >= beta, g, inner))
+
+
+@lowering(aten.huber_loss.default, check=_check_loss)
+def huber_loss(ctx, x, target, reduction=_MEAN, delta=1.0):
+    z = jnp.abs(_acc(x) - _acc(target))
+    loss = jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta))
+    return _reduce(loss, reduction)
+
+
+@lowering(aten.huber_loss_backward.default, check=_check_loss)
+def huber_loss_backward(ctx, grad_output, x, target, reduction, delta):
+    d = _acc(x) - _acc(target)
+    g = _acc(grad_output) * jnp.asarray(_norm(x, reduction), d.dtype)
+    return jnp.where(d <= -delta, -g * delta, jnp.where(d >= delta, g * delta, d * g))
+
+
+@lowering(aten.binary_cross_entropy.default, check=_check_loss)
+def binary_cross_entropy(ctx, x, target, weight=None, reduction=_MEAN):
+    # log terms clamped at -100 as torch does, so that 0 * log(0) stays finite
+    x, t = _acc(x), _acc(target)
+    loss = (t - 1) * jnp.maximum(jnp.log1p(-x), -100.0) - t * jnp.maximum(jnp.log(x), -100.0)
+    if weight is not None:
+        loss = loss * _acc(weight)
+    return _reduce(loss, reduction)
+
+
+@lowering(aten.binary_cross_entropy_backward.default, check=_check_loss)
+def binary_cross_entropy_backward(ctx, grad_output, x, target, weight=None, reduction=_MEAN):
+    x, t = _acc(x), _acc(target)
+    grad = _acc(grad_output) * (x - t) / jnp.maximum((1 - x) * x, 1e-12)
+    if weight is not None:
+        grad = grad * _acc(weight)
+    return grad * jnp.asarray(_norm(x, reduction), x.dtype) if reduction == _MEAN else grad
+
+
+@lowering(aten.binary_cross_entropy_with_logits.default, check=_check_loss)
+def binary_cross_entropy_with_logits(ctx, x, target, weight=None, pos_weight=None, reduction=_MEAN):
+    x, t = _acc(x), _acc(target)
+    log_sigmoid = jnp.minimum(x, 0) - jnp.log1p(jnp.exp(-jnp.abs(x)))
+    if pos_weight is not None:
+        log_sigmoid = log_sigmoid * ((_acc(pos_weight) - 1) * t + 1)
+    loss = (1 - t) * x - log_sigmoid
+    if weight is not None:
+        loss = loss * _acc(weight)
+    return _reduce(loss, reduction)

@@ -1,17 +1,17 @@
-"""Pointwise lowerings: arithmetic, math, comparison, logical, bitwise, casts and activations.
+"""Pointwise lowerings: arithmetic, math, comparison, logical, bitwise and casts (activations
+are in activation.py, imported at the end).
 
-Each rule follows torch's CPU kernel for its dtype handling:
-  * arithmetic computes in ``ctx.compute_dtype`` (float32 for float16/bfloat16, as torch's
-    "opmath" does), and Python scalars are converted to that dtype first;
-  * comparisons, min/max, clamp and where are exact, so they work in the promoted dtype, where
-    a scalar rounds to the tensor's dtype as it does in torch (half(x) < 0.1 compares halves);
-  * math that maps integers to floats (sin, div, atan2, ...) computes in the result dtype,
-    widened to float32 for float16/bfloat16.
+Operands are read as torch's CPU kernels read them: cast to the op's common dtype, then widened
+to the computation dtype (float32 for float16/bfloat16, torch's "opmath").  Where torch keeps a
+scalar unrounded (mul and div by a 0-d operand, lerp weights, activation parameters) the rule
+says so; elsewhere a scalar rounds to the common dtype first (half(x) < 0.1 compares halves).
+Comparisons, min/max, clamp and where are exact and work in the promoted dtype.
 
-Checkers decline complex dtypes.  Most also run torch's own CPU kernel on tiny tensors of the
+Checkers decline complex dtypes.  Most also run torch's own CPU kernel on empty tensors of the
 same dtypes (``_probe``): meta functions accept dtype combinations the kernels reject (gelu of
 int64, abs of bool, int64 ** -1), and declining would hand those to a decomposition that
-computes something instead of raising what strict mode raises.
+computes something instead of raising what strict mode raises.  So the checker raises torch's
+own exception, at record time, on the user's line.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax import lax
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import dtypes as _dtypes
-from .registry import RuntimeScalar, lowering
+from .registry import RuntimeScalar, lowering, runtime_check
 from ..ir.meta import TensorMeta
 
 aten = torch.ops.aten
@@ -45,27 +45,28 @@ def _dtype_reason(ctx):
     return None
 
 
-def _tiny(a):
+def _empty_like_meta(a):
     if isinstance(a, TensorMeta):
-        return torch.ones(tuple(min(s, 2) for s in a.shape), dtype=a.dtype)
+        # every dimension empty (a 0-dim tensor keeps its one element, a one)
+        return torch.ones((0,) * len(a.shape), dtype=a.dtype)
     if isinstance(a, RuntimeScalar):
         return a.value
     if type(a) in (list, tuple):
-        return type(a)(_tiny(x) for x in a)
+        return type(a)(_empty_like_meta(x) for x in a)
     if isinstance(a, dict):
-        return {k: _tiny(v) for k, v in a.items()}
+        return {k: _empty_like_meta(v) for k, v in a.items()}
     return a
 
 
 def _probe(ctx):
-    """Raise what torch's CPU kernel raises for these dtypes and static arguments.  Sizes are
-    capped at 2 (broadcasting and halving still work) and values are ones (no division by zero),
-    so only dtype and argument errors can fire, as they do even for empty tensors."""
+    """Raise what torch's CPU kernel raises for these dtypes and static arguments.  Its dtype
+    checks fire even on empty tensors, which keeps the probe cheap and free of data errors
+    (division by zero); empty shapes still broadcast and halve (glu)."""
     if any(m.device.type != "cpu" for m in ctx.tensor_args()):
         return
     with _disable_current_modes(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ctx.op(*_tiny(ctx.args), **_tiny(ctx.kwargs))
+        ctx.op(*_empty_like_meta(ctx.args), **_empty_like_meta(ctx.kwargs))
 
 
 def _check(ctx):
@@ -170,10 +171,15 @@ def div(ctx, x, y):
     return x / y
 
 
+def _no_integer_division_by_zero(y):
+    if not _is_float(y.dtype):
+        runtime_check(y == 0, RuntimeError, "ZeroDivisionError")
+
+
 def _floor_divide(x, y):
     x, y = jnp.broadcast_arrays(x, y)
     if not _is_float(x.dtype):
-        # integer division by zero raises in torch; XLA cannot raise, it returns a value
+        _no_integer_division_by_zero(y)
         return jnp.floor_divide(x, y)
     # Python's algorithm, as torch's div_floor_floating uses: exact where floor(x / y) is not
     mod = lax.rem(x, y)
@@ -191,7 +197,10 @@ def div_mode(ctx, x, y, *, rounding_mode=None):
         return div(ctx, x, y)
     x, y = _through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
     if rounding_mode == "trunc":
-        return jnp.trunc(x / y) if _is_float(x.dtype) else lax.div(x, y)
+        if _is_float(x.dtype):
+            return jnp.trunc(x / y)
+        _no_integer_division_by_zero(y)
+        return lax.div(*jnp.broadcast_arrays(x, y))
     return _floor_divide(x, y)
 
 
@@ -203,13 +212,16 @@ def floor_divide(ctx, x, y):
 @lowering(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=_check)
 def remainder(ctx, x, y):
     x, y = jnp.broadcast_arrays(*_through(ctx.promoted_dtype, x, y))
+    _no_integer_division_by_zero(y)
     mod = lax.rem(x, y)
     return jnp.where((mod != 0) & ((y < 0) != (mod < 0)), mod + y, mod)
 
 
 @lowering(aten.fmod.Tensor, aten.fmod.Scalar, check=_check)
 def fmod(ctx, x, y):
-    return lax.rem(*jnp.broadcast_arrays(*_through(ctx.promoted_dtype, x, y)))
+    x, y = jnp.broadcast_arrays(*_through(ctx.promoted_dtype, x, y))
+    _no_integer_division_by_zero(y)
+    return lax.rem(x, y)
 
 
 def _integer_power(base, exponent):
@@ -581,8 +593,29 @@ def copy(ctx, x, src, non_blocking=False):
     return _convert(jnp.broadcast_to(src, x.shape), ctx.out_dtype)
 
 
+_C_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half", "bfloat16": "c10::BFloat16",
+                 "int32": "int", "int64": "int64_t", "int8": "int8_t", "uint8": "uint8_t", "int16": "int16_t"}
+
+
+def _check_value_fits(value, dt):
+    """torch's fill checks that a floating value converts to the tensor's dtype without
+    overflow; a Python float is a runtime input here, so the check runs with the computation."""
+    if not _is_float(value.dtype) or dt == jnp.bool_ or dt == jnp.float64:
+        return
+    value = value.astype(jnp.float64)
+    if _is_float(dt):
+        overflow = jnp.isfinite(value) & (jnp.abs(value) > float(jnp.finfo(dt).max))
+    else:
+        info = jnp.iinfo(dt)
+        overflow = (value != value) | (value > float(info.max)) | (value < float(info.min))
+    name = _C_TYPE_NAMES.get(jnp.dtype(dt).name, jnp.dtype(dt).name)
+    runtime_check(overflow, RuntimeError, f"value cannot be converted to type {name} without overflow")
+
+
 @lowering(aten.fill.Scalar, aten.fill.Tensor, check=_check)
 def fill(ctx, x, value):
+    value = jnp.asarray(value)
+    _check_value_fits(value, ctx.out_dtype)
     return jnp.broadcast_to(_convert(value, ctx.out_dtype), x.shape)
 
 
