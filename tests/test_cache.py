@@ -1,0 +1,94 @@
+"""Executable caching: in memory, on disk across processes, and tiered execution."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import deferfuse
+
+PROGRAM = textwrap.dedent("""
+    import json, torch, deferfuse
+    x = torch.arange(1000, dtype=torch.float32)
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            y = (x * 0.5 + 2.0).tanh() * x
+    s = deferfuse.stats()
+    print(json.dumps({"compiles": s["compiles"], "disk_hits": s["disk_cache_hits"],
+                      "errors": s["disk_cache_errors"], "value": float(y[10])}))
+""")
+
+
+def _run(cache_dir):
+    env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(cache_dir))
+    out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_compiles_nothing(tmp_path):
+    first = _run(tmp_path)
+    second = _run(tmp_path)
+    assert first["compiles"] >= 1 and first["disk_hits"] == 0
+    assert second["compiles"] == 0 and second["disk_hits"] == first["compiles"]
+    assert second["value"] == first["value"]
+
+
+def test_corrupt_cache_entry_is_rebuilt(tmp_path):
+    first = _run(tmp_path)
+    entries = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f.endswith(".xla")]
+    assert entries
+    for path in entries:
+        with open(path, "wb") as f:
+            f.write(b"not an executable")
+    second = _run(tmp_path)
+    assert second["errors"] == len(entries)
+    assert second["compiles"] == first["compiles"]
+    assert second["value"] == first["value"]
+    third = _run(tmp_path)
+    assert third["compiles"] == 0 and third["errors"] == 0
+
+
+def test_disk_cache_can_be_turned_off(tmp_path):
+    with deferfuse.config.override(cache_dir="", always_compile=True):
+        from deferfuse.exec import diskcache
+        assert diskcache.cache_dir() is None
+
+
+def test_new_signature_runs_eagerly_then_compiled():
+    from deferfuse.exec import runtime
+    x = torch.randn(64)
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=False, eager_first_runs=2, background_compile=False,
+                                   cache_dir=""):
+        results = []
+        for _ in range(4):
+            with deferfuse.defer():
+                results.append((x * 3.25 + 1).sin())
+    s = deferfuse.stats()
+    assert s["eager_replays"] == 2 and s["executions"] == 2 and s["compiles"] == 1
+    for r in results:
+        torch.testing.assert_close(r, (x * 3.25 + 1).sin())
+
+
+def test_background_compile_never_blocks_and_is_used_later():
+    import time
+    from deferfuse.exec import runtime
+    x = torch.randn(128)
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=False, eager_first_runs=1, background_compile=True,
+                                   cache_dir=""):
+        with deferfuse.defer():
+            first = (x * 1.75 - 2).cos()
+        assert deferfuse.stats()["eager_replays"] == 1
+        deadline = time.time() + 60
+        while runtime._COMPILING and time.time() < deadline:
+            time.sleep(0.05)
+        with deferfuse.defer():
+            second = (x * 1.75 - 2).cos()
+    s = deferfuse.stats()
+    assert s["background_compiles"] == 1 and s["executions"] == 1
+    torch.testing.assert_close(first, second)
