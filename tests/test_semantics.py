@@ -258,3 +258,11 @@ def test_broken_lowering_replays_eagerly_unless_always_compile(monkeypatch):
                 y = x * 5 + 1
     meta.clear_cache()
     runtime.clear_cache()
+
+
+def test_reshape_inside_decomposition_copies_when_it_must():
+    """Regression: reshape reaching the mode from a decomposition (pixel_shuffle, unfold) was
+    treated as a view even when it had to copy, reading the wrong elements."""
+    F = torch.nn.functional
+    check(lambda x: F.pixel_shuffle(x, 2), torch.randn(2, 12, 1, 5))
+    check(lambda x: F.unfold(x, kernel_size=2), torch.randn(1, 2, 4, 5))

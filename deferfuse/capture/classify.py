@@ -20,6 +20,7 @@ class OpKind(enum.Enum):
     RANDOM = "random"              # consumes the torch RNG
     DYNAMIC = "dynamic"            # output shape depends on input values
     OBSERVING = "observing"        # returns Python values computed from tensor data
+    ALLOCATION = "allocation"      # returns uninitialized memory (empty*)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class OpInfo:
     dynamic: bool
     is_factory: bool                # takes no tensor arguments
     returns: str                    # "one", "list" (Tensor[]) or "tuple"
+    composite_implicit: bool        # has a CompositeImplicitAutograd kernel (decomposes itself)
 
 
 def _is_tensor_type(t: torch._C.JitType) -> bool:
@@ -43,6 +45,13 @@ def _is_tensor_type(t: torch._C.JitType) -> bool:
 def _is_number_type(t: torch._C.JitType) -> bool:
     text = str(t)
     return text in ("number", "Optional[number]", "List[number]")
+
+
+# Ops whose output is uninitialized memory.  torch has no tag for this; they run eagerly (an
+# allocation costs nothing to do now) so their results are real tensors that code such as
+# torch.load can re-point with set_().
+_ALLOCATIONS = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
+                          "empty_permuted"})
 
 
 @functools.cache
@@ -62,6 +71,8 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo:
 
     if torch.Tag.inplace_view in tags:
         kind = OpKind.INPLACE_VIEW
+    elif schema.name.split("::")[-1] in _ALLOCATIONS and not written:
+        kind = OpKind.ALLOCATION
     elif random:
         kind = OpKind.RANDOM
     elif not returns_tensors or not schema.returns and not written:
@@ -78,8 +89,10 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo:
         returns = "list" if str(schema.returns[0].type).startswith("List") else "one"
     else:
         returns = "tuple"
+    composite_implicit = torch._C._dispatch_has_kernel_for_dispatch_key(
+        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
     return OpInfo(kind, written, scalar_args, tuple(a.name for a in schema.arguments),
-                  torch.Tag.pointwise in tags, random, dynamic, is_factory, returns)
+                  torch.Tag.pointwise in tags, random, dynamic, is_factory, returns, composite_implicit)
 
 
 def _argument_signature(op: torch._ops.OpOverload, skip: frozenset[str]) -> tuple:

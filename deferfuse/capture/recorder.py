@@ -88,10 +88,10 @@ class Recorder:
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
-              lowering: Any = None) -> Node:
+              lowering: Any = None, inputs: Optional[tuple] = None, scalars: tuple = ()) -> Node:
         self.pending_nodes += 1
         source = user_source() if self.record_source else None
-        return Node(op, args, kwargs, outs, key, source, lowering)
+        return Node(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
 
     def state_of_real(self, t: torch.Tensor) -> StorageState:
         storage = t.untyped_storage()
@@ -173,27 +173,32 @@ class Recorder:
 
     # -- argument conversion -------------------------------------------------------------------
     def convert(self, op_scalar_args: frozenset, names: tuple, args: tuple, kwargs: dict):
-        """(node args, node kwargs, meta args, meta kwargs, key parts) of a call."""
+        """(node args, node kwargs, meta args, meta kwargs, key parts, input values, runtime
+        scalars) of a call."""
         vargs, margs, kargs = [], [], []
+        found: list = []
+        scalars: list = []
         for i, a in enumerate(args):
             name = names[i] if i < len(names) else None
-            v, m, k = self._convert_one(a, name in op_scalar_args)
+            v, m, k = self._convert_one(a, name in op_scalar_args, found, scalars)
             vargs.append(v); margs.append(m); kargs.append(k)
         vkw, mkw, kkw = {}, {}, []
         for name, a in kwargs.items():
-            v, m, k = self._convert_one(a, name in op_scalar_args)
+            v, m, k = self._convert_one(a, name in op_scalar_args, found, scalars)
             vkw[name] = v; mkw[name] = m; kkw.append((name, k))
-        return tuple(vargs), vkw, tuple(margs), mkw, (tuple(kargs), tuple(kkw))
+        return tuple(vargs), vkw, tuple(margs), mkw, (tuple(kargs), tuple(kkw)), tuple(found), tuple(scalars)
 
-    def _convert_one(self, a: Any, is_scalar_arg: bool):
+    def _convert_one(self, a: Any, is_scalar_arg: bool, found: list, scalars: list):
         if isinstance(a, torch.Tensor):
             v, m = self.read(a)
+            found.append(v)
             return v, m, m
         if type(a) is float and is_scalar_arg:
             r = RuntimeScalar(a)
+            scalars.append(a)
             return r, r, float
         if isinstance(a, (list, tuple)):
-            parts = [self._convert_one(x, is_scalar_arg) for x in a]
+            parts = [self._convert_one(x, is_scalar_arg, found, scalars) for x in a]
             return (type(a)(p[0] for p in parts), type(a)(p[1] for p in parts), tuple(p[2] for p in parts))
         if isinstance(a, float):
             # key floats by their bits: -0.0 and nan must not collide
@@ -204,6 +209,15 @@ class Recorder:
     def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         STATS.ops_recorded += 1
         info = op_info(func)
+        if info.composite_implicit:
+            # Reaches us only from inside a decomposition (autograd handles it above us
+            # otherwise).  Its own decomposition says what it really is: reshape is a view or
+            # a copy depending on strides, which its schema cannot say.
+            with self.mode:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                STATS.ops_recorded -= 1
+                return result
         kind = info.kind
         if kind is OpKind.PURE:
             result = self.record(func, info, args, kwargs)
@@ -217,6 +231,8 @@ class Recorder:
             result = self.record_dynamic(func, info, args, kwargs)
         elif kind is OpKind.OBSERVING:
             result = self.run_observing(func, info, args, kwargs)
+        elif kind is OpKind.ALLOCATION:
+            result = self.run_allocation(func, info, args, kwargs)
         else:  # INPLACE_VIEW
             result = self.run_inplace_view(func, info, args, kwargs)
         if self.pending_nodes > self.max_pending:
@@ -224,15 +240,15 @@ class Recorder:
         return result
 
     def _entry(self, func, info, args, kwargs):
-        vargs, vkw, margs, mkw, key = self.convert(info.scalar_args, info.arg_names, args, kwargs)
+        vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(info.scalar_args, info.arg_names, args, kwargs)
         entry = meta_.infer(func, (func, key), margs, mkw)
-        return vargs, vkw, entry, (func, key)
+        return vargs, vkw, entry, (func, key), inputs, scalars
 
     def record(self, func, info, args, kwargs) -> Any:
-        vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
-        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry)
+        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return _restructure(info, self._fresh_outputs(entry, node))
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
@@ -245,7 +261,7 @@ class Recorder:
         return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, reason)
 
     def record_view(self, func, info, args, kwargs) -> Any:
-        vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         base = args[0]
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
         if any(o.dtype != state.dtype for o in entry.tensor_outs):
@@ -254,7 +270,7 @@ class Recorder:
 
     def record_mutation(self, func, info, args, kwargs) -> Any:
         # Validate the call itself (torch's broadcasting and casting errors) on meta tensors.
-        vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         functional = functional_variant(func)
         targets = _written_arguments(func, info, args, kwargs)
         if functional is None or any(
@@ -284,13 +300,19 @@ class Recorder:
 
     def record_dynamic(self, func, info, args, kwargs) -> Any:
         try:
-            vargs, vkw, entry, key = self._entry(func, info, args, kwargs)
+            vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         except (NotImplementedError, RuntimeError, torch._subclasses.fake_tensor.DynamicOutputShapeException):
             return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT, None)
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
-        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry)
+        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return _restructure(info, self._fresh_outputs(entry, node))
+
+    def run_allocation(self, func, info, args, kwargs) -> Any:
+        """empty*: allocate real memory now; only the inputs' metadata matters."""
+        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
+        outs = [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in entry.tensor_outs]
+        return _restructure(info, outs)
 
     def run_observing(self, func, info, args, kwargs) -> Any:
         reason = FlushReason.ITEM if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) \
@@ -430,6 +452,7 @@ def _release(nodes: list[Node]) -> None:
         if all(v.result is not None for v in node.outputs):
             node.args = ()
             node.kwargs = {}
+            node.inputs = ()
 
 
 # -- helpers over argument trees ---------------------------------------------------------------

@@ -143,6 +143,8 @@ def _template(a: Any, index: dict[int, int], leaves: list[Value], scalars: list[
 def build(nodes: list[Node], outputs: list[Value]):
     """Signature, program-building closure, graph inputs and runtime scalars of a subgraph.
 
+    This is the hot path of a cache hit, so it reads only each node's precomputed key, inputs
+    and scalars; the argument templates of the program are built only when it is compiled.
     Graph inputs are numbered first (in order of first use) so the program sees them as
     env[0..n); node outputs follow.
     """
@@ -150,43 +152,40 @@ def build(nodes: list[Node], outputs: list[Value]):
     scalars: list[float] = []
     index: dict[int, int] = {}
     in_set = {n.id for n in nodes}
-    # Graph inputs: values read by the subgraph but not produced in it.
     for node in nodes:
-        for v in node.input_values():
+        for v in node.inputs:
             if v.node.id not in in_set and id(v) not in index:
                 index[id(v)] = len(leaves)
                 leaves.append(v)
-    n_inputs = len(leaves)
-    next_id = n_inputs
-    sig: list[Any] = [tuple((v.meta.shape, v.meta.dtype) for v in leaves)]
-    templates = []
+    n_inputs = next_id = len(leaves)
+    entries: list[Any] = []
     for node in nodes:
-        args_t, args_k = _template(node.args, index, leaves, scalars)
-        kw = {k: _template(v, index, leaves, scalars) for k, v in node.kwargs.items()}
-        assert len(leaves) == n_inputs, "a graph input appeared after numbering"
-        outs = []
+        entries.append((node.key, tuple([index[id(v)] for v in node.inputs])))
+        if node.scalars:
+            scalars.extend(node.scalars)
         for v in node.outputs:
             index[id(v)] = next_id
-            outs.append(next_id)
             next_id += 1
-        sig.append((node.key, args_k, tuple((k, p[1]) for k, p in kw.items())))
-        templates.append((node, args_t, {k: p[0] for k, p in kw.items()}, tuple(outs)))
     out_ids = tuple(index[id(v)] for v in outputs)
-    sig.append(out_ids)
-    sig.append(config.compile_key())
+    sig = (tuple((v.meta.shape, v.meta.dtype) for v in leaves), tuple(entries), out_ids, config.compile_key())
 
     def make_program() -> Program:
         steps = []
-        for node, args_t, kwargs_t, outs in templates:
+        scalar_list: list[float] = []
+        for node in nodes:
+            args_t, _ = _template(node.args, index, leaves, scalar_list)
+            kwargs_t = {k: _template(v, index, leaves, scalar_list)[0] for k, v in node.kwargs.items()}
             if isinstance(node.op, graph.InternalOp):
                 rule, ctx = internal_rule(node.op), None
             else:
                 rule, ctx = node.lowering.lowering.rule, node.lowering.ctx
+            outs = tuple(index[id(v)] for v in node.outputs)
             steps.append(Step(rule, ctx, args_t, kwargs_t, outs, tuple(v.meta for v in node.outputs),
                               node.source, node.op))
+        assert len(leaves) == n_inputs and scalar_list == scalars, "argument templates disagree with the signature"
         return Program(n_inputs, steps, out_ids)
 
-    return tuple(sig), make_program, leaves, scalars
+    return sig, make_program, leaves, scalars
 
 
 def _compile(program: Program, leaf_avals: tuple, n_scalars: int) -> _Compiled:

@@ -60,14 +60,20 @@ class Value:
 
 
 class Node:
-    __slots__ = ("id", "op", "args", "kwargs", "outputs", "key", "source", "lowering", "__weakref__")
+    __slots__ = ("id", "op", "args", "kwargs", "outputs", "key", "source", "lowering", "inputs",
+                 "scalars", "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, out_metas: tuple[TensorMeta, ...],
-                 key: Any, source: Optional[str] = None, lowering: Any = None) -> None:
+                 key: Any, source: Optional[str] = None, lowering: Any = None,
+                 inputs: Optional[tuple] = None, scalars: tuple = ()) -> None:
         self.id = next(_node_ids)
         self.op = op
         self.args = args
         self.kwargs = kwargs
+        # the Values and runtime scalars among the arguments, in argument order (args, then
+        # kwargs, lists flattened): the hot path of signatures never walks the arguments again
+        self.inputs: tuple = tuple(self._walk_values()) if inputs is None else inputs
+        self.scalars = scalars
         self.key = key            # structural: op and static arguments, no value identities
         self.source = source      # "file:line" of the user code that recorded it
         self.lowering = lowering
@@ -76,14 +82,17 @@ class Node:
         else:
             self.outputs = tuple(Value(self, i, m) for i, m in enumerate(out_metas))
 
-    def input_values(self) -> list[Value]:
+    def _walk_values(self) -> list[Value]:
         found: list[Value] = []
         for a in itertools.chain(self.args, self.kwargs.values()):
             if isinstance(a, Value):
                 found.append(a)
-            elif isinstance(a, (list, tuple)):
+            elif type(a) in (list, tuple):
                 found.extend(x for x in a if isinstance(x, Value))
         return found
+
+    def input_values(self) -> tuple:
+        return self.inputs
 
     def __repr__(self) -> str:
         return f"Node#{self.id}({self.op})"
@@ -111,7 +120,7 @@ def ancestors(targets: list[Value]) -> list[Node]:
             continue
         seen.add(node.id)
         found.append(node)
-        for v in node.input_values():
+        for v in node.inputs:
             if v.result is None and v.node.id not in seen:
                 stack.append(v.node)
     found.sort(key=lambda n: n.id)

@@ -111,8 +111,12 @@ def _pad_then_crop(x, padding, mode: str):
 
 
 def _check_not_bool(ctx):
-    # torch's CPU kernel is not implemented for bool; declined, torch raises eagerly
-    return "bool" if ctx.args[0].dtype == torch.bool else None
+    # torch's CPU kernels are not implemented for bool, but its meta functions and decompositions
+    # are: raise at record time what torch raises
+    if ctx.args[0].dtype == torch.bool:
+        name = ctx.op._schema.name.split("::")[-1]
+        raise NotImplementedError(f'"{name}" not implemented for \'Bool\'')
+    return None
 
 
 @lowering(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default,
