@@ -24,7 +24,7 @@ from ..ir import graph
 from ..ir.graph import Node, Value
 from ..ir.meta import TensorMeta
 from ..lower import dtypes as dtypes_
-from ..lower.registry import _CHECK_COLLECTORS, RuntimeScalar
+from ..lower.registry import _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
 from ..lower.views import internal_rule
 from ..stats import STATS
 from . import diskcache, interop
@@ -60,9 +60,10 @@ class Program:
         # (step index, error type, message) of each runtime check, filled while tracing
         self.checks: list[tuple[int, type, str]] = []
 
-    def __call__(self, inputs: Sequence[jax.Array], scalars: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    def __call__(self, inputs: Sequence[jax.Array], scalars: jax.Array) -> tuple[list[jax.Array], jax.Array, jax.Array]:
         env: list[Any] = list(inputs)
         flags: list[Any] = []
+        values: list[Any] = []
         self.checks = []
 
         def resolve(a: Any) -> Any:
@@ -73,7 +74,7 @@ class Program:
             return a
 
         for position, step in enumerate(self.steps):
-            collector: list = []
+            collector = CheckCollector(step.op)
             _CHECK_COLLECTORS.append(collector)
             try:
                 out = step.rule(step.ctx, *resolve(step.args), **{k: resolve(v) for k, v in step.kwargs.items()})
@@ -81,8 +82,9 @@ class Program:
                 raise LoweringError(f"lowering {step.op} failed{_at(step.source)}: {type(exc).__name__}: {exc}") from exc
             finally:
                 _CHECK_COLLECTORS.pop()
-            for flag, error, message in collector:
+            for flag, error, message, value in collector.items:
                 flags.append(flag)
+                values.append(jnp.int64(0) if value is None else value)
                 self.checks.append((position, error, message))
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for local_id, meta, arr in zip(step.outs, step.out_metas, outs):
@@ -96,7 +98,8 @@ class Program:
                 env.append(arr)
                 assert len(env) - 1 == local_id
         failed = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
-        return [env[i] for i in self.outputs], failed
+        details = jnp.stack(values) if values else jnp.zeros((0,), jnp.int64)
+        return [env[i] for i in self.outputs], failed, details
 
 
 def _at(source: Optional[str]) -> str:
@@ -287,19 +290,20 @@ def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = Non
         return None
     with _x64(), _profile("deferfuse.execute"):
         inputs = [interop.to_jax(v.result) for v in leaves]
-        results, failed = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
+        results, failed, details = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
         # DLPack export does not wait for the computation: torch must not see unfinished buffers
         jax.block_until_ready(results)
     STATS.executions += 1
     if compiled.checks:
-        _raise_failed_checks(np.asarray(failed), compiled.checks, nodes)
+        _raise_failed_checks(np.asarray(failed), np.asarray(details), compiled.checks, nodes)
     return [interop.to_torch(r) for r in results]
 
 
-def _raise_failed_checks(failed: np.ndarray, checks: list[tuple[int, type, str]], nodes: list[Node]) -> None:
-    for flag, (position, error, message) in zip(failed, checks):
+def _raise_failed_checks(failed: np.ndarray, details: np.ndarray, checks: list[tuple[int, type, str]],
+                         nodes: list[Node]) -> None:
+    for flag, value, (position, error, message) in zip(failed, details, checks):
         if flag:
-            raise error(f"{message}{_at(nodes[position].source)}")
+            raise error(f"{message.replace('{value}', str(int(value)))}{_at(nodes[position].source)}")
 
 
 def _eager_args(a: Any) -> Any:

@@ -15,7 +15,7 @@ from jax import lax
 
 from ..ir.meta import TensorMeta
 from . import views as _views
-from .registry import lowering
+from .registry import bounds_check, lowering
 
 aten = torch.ops.aten
 
@@ -26,7 +26,10 @@ def _dim(dim: int, ndim: int) -> int:
     return dim % max(ndim, 1)
 
 
-def _wrap(index: jnp.ndarray, size: int) -> jnp.ndarray:
+def _wrap(index: jnp.ndarray, size: int, dim: int = 0) -> jnp.ndarray:
+    """Negative indices count from the end; out-of-range ones raise torch's error at run time
+    (XLA would clamp them)."""
+    bounds_check(index, size, dim)
     return jnp.where(index < 0, index + size, index)
 
 
@@ -273,7 +276,7 @@ def view_scatter(ctx, x, src, *args, **kwargs):
 def _along(index, dim: int, size: int) -> tuple:
     """The full index tuple of gather/scatter: ``index`` (wrapped) along ``dim``, and the
     position itself along every other dim."""
-    return tuple(_wrap(index, size) if d == dim else lax.broadcasted_iota(index.dtype, index.shape, d)
+    return tuple(_wrap(index, size, dim) if d == dim else lax.broadcasted_iota(index.dtype, index.shape, d)
                  for d in range(index.ndim))
 
 
@@ -391,7 +394,7 @@ def _index_tuple(x, indices) -> tuple:
     """aten's ``Tensor?[]`` indices as a numpy-style index: None is a full slice.  numpy and torch
     share the rule for where the broadcast index dims go (in place if the index tensors are
     adjacent, first otherwise), so jnp's indexing applies as is."""
-    return tuple(slice(None) if ix is None else _wrap(ix, x.shape[d]) for d, ix in enumerate(indices))
+    return tuple(slice(None) if ix is None else _wrap(ix, x.shape[d], d) for d, ix in enumerate(indices))
 
 
 def _integer_indices(indices) -> "str | None":
@@ -485,7 +488,7 @@ def index_put(ctx, x, indices, values, accumulate=False):
 
 def _along_dim(x, dim: int, index) -> tuple:
     """The index tuple selecting ``index`` (a 0-d or 1-d index tensor) along ``dim``."""
-    return (slice(None),) * dim + (_wrap(index.reshape(-1), x.shape[dim]),)
+    return (slice(None),) * dim + (_wrap(index.reshape(-1), x.shape[dim], dim),)
 
 
 def _check_vector_index(ctx):

@@ -72,19 +72,56 @@ def _load_families() -> None:
 
 
 # Value-dependent checks registered by rules while a program is traced (see runtime_check).
-_CHECK_COLLECTORS: list[list] = []
+class CheckCollector:
+    __slots__ = ("op", "items")
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        self.items: list[tuple[Any, type, str, Any]] = []
 
 
-def runtime_check(failed: Any, error: type, message: str) -> None:
+_CHECK_COLLECTORS: list[CheckCollector] = []
+
+
+def runtime_check(failed: Any, error: type, message: str, value: Any = None) -> None:
     """Raise ``error(message)`` when the computation runs and any element of ``failed`` is true.
 
     For errors that depend on values, which torch raises eagerly and XLA would silently hide
-    (an out-of-range index is clamped by XLA's gather).  The flag is an extra output of the
-    compiled computation; it is checked before any result is written back, and the error names
-    the line that recorded the op.
+    (XLA clamps an out-of-range gather index).  The flag is an extra output of the compiled
+    computation, checked before any result is written back; the error names the line that
+    recorded the op.  ``{value}`` in the message is replaced by the first element of ``value``
+    (same shape as ``failed``) where the check failed.
     """
-    if _CHECK_COLLECTORS:
-        _CHECK_COLLECTORS[-1].append((jnp.any(failed), error, message))
+    if not _CHECK_COLLECTORS:
+        return
+    failed = jnp.asarray(failed).reshape(-1)
+    if value is not None:
+        first = jnp.argmax(failed) if failed.size else 0
+        value = jnp.asarray(value).reshape(-1)[first].astype(jnp.int64) if failed.size else jnp.int64(0)
+    _CHECK_COLLECTORS[-1].items.append((jnp.any(failed), error, message, value))
+
+
+# Which exception torch's CPU kernels raise for an out-of-range index, by op name.
+_INDEX_ERRORS_AS_RUNTIME = frozenset({"gather", "scatter", "scatter_add", "scatter_reduce", "index_add"})
+_FLAT_INDEX_OPS = frozenset({"take", "put"})
+
+
+def bounds_check(index: Any, size: int, dim: int) -> None:
+    """Register torch's out-of-range error for ``index`` into a dim of ``size`` (negative indices
+    from -size are allowed), with torch's exception type for the op being lowered."""
+    if not _CHECK_COLLECTORS:
+        return
+    op = _CHECK_COLLECTORS[-1].op
+    name = op._schema.name.split("::")[-1].rstrip("_") if hasattr(op, "_schema") else str(op)
+    if name.startswith("_unsafe"):
+        return  # torch does not check these either: callers guarantee (or mask) the range
+    error = RuntimeError if name in _INDEX_ERRORS_AS_RUNTIME else IndexError
+    if name in _FLAT_INDEX_OPS:
+        message = f"{op}: out of range: tried to access index {{value}} on a tensor of {size} elements."
+    else:
+        message = f"{op}: index {{value}} is out of bounds for dimension {dim} with size {size}"
+    index = jnp.asarray(index)
+    runtime_check((index < -size) | (index >= size), error, message, index)
 
 
 class RuntimeScalar:
