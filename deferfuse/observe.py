@@ -20,8 +20,7 @@ log = logging.getLogger("deferfuse")
 _flush_ids = itertools.count(1)
 
 
-def _op_name(node: Node) -> str:
-    op = node.op
+def _op_name_of(op: Any) -> str:
     if isinstance(op, graph.InternalOp):
         return op.name
     return str(op).replace("aten.", "").replace(".default", "")
@@ -32,14 +31,23 @@ class GroupRecord:
     index: int
     engine: str
     reason: str
-    ops: list[str]
-    bounds: list[str]
+    op_objects: list[Any]
+    bound_objects: list[Any]
     sources: list[str]
     n_outputs: int
     edges: list[tuple[int, int]]           # (producer node id, consumer node id) inside or into
     node_ids: list[int]
     ran_as: str = "pending"
     signature: Any = None
+
+    # names are made only when someone looks: recording a plan is on every flush's path
+    @property
+    def ops(self) -> list[str]:
+        return [_op_name_of(op) for op in self.op_objects]
+
+    @property
+    def bounds(self) -> list[str]:
+        return [b.value for b in self.bound_objects]
 
 
 @dataclasses.dataclass
@@ -90,17 +98,16 @@ def record_plan(plan, reason: str, trigger: Optional[str], n_outputs: int) -> Fl
         globals()["_HISTORY"] = collections.deque(_HISTORY, maxlen=config.get("explain_history"))
     groups = []
     for g in plan.groups:
-        ids = {n.id for n in g.nodes}
-        edges = [(v.node.id, n.id) for n in g.nodes for v in n.input_values()
-                 if not isinstance(v.node.op, graph.InternalOp) or v.node.op is not graph.INPUT]
+        edges = [(v.node.id, n.id) for n in g.nodes for v in n.inputs if v.node.op is not graph.INPUT]
         groups.append(GroupRecord(
-            g.index, g.engine.value, g.reason.value, [_op_name(n) for n in g.nodes],
-            [plan.bounds[n.id].value for n in g.nodes], [n.source or "" for n in g.nodes],
-            len(g.outputs), edges, sorted(ids)))
+            g.index, g.engine.value, g.reason.value, [n.op for n in g.nodes],
+            [plan.bounds[n.id] for n in g.nodes], [n.source for n in g.nodes],
+            len(g.outputs), edges, [n.id for n in g.nodes]))
     record = FlushRecord(next(_flush_ids), reason, trigger, sum(len(g.nodes) for g in plan.groups),
                          n_outputs, groups)
     _HISTORY.append(record)
-    log.debug("%s", record.describe())
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", record.describe())
     return record
 
 

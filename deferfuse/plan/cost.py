@@ -77,8 +77,12 @@ def bytes_moved(node: Node) -> int:
     return total
 
 
+# OpOverloads are singletons; keying by id avoids their slow Python __hash__ on the hot path.
+_FLOPS_BY_ID = {id(op): fn for op, fn in FLOPS.items()}
+
+
 def flops(node: Node) -> Optional[float]:
-    estimate = FLOPS.get(node.op)
+    estimate = _FLOPS_BY_ID.get(id(node.op))
     return estimate(node) if estimate is not None else None
 
 

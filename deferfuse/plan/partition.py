@@ -68,6 +68,11 @@ def split_reason(group: Group, engine: Engine) -> Optional[SplitReason]:
 
 # -- the generic partitioner --------------------------------------------------------------------
 def partition(nodes: list[Node], outputs: list[Value]) -> Plan:
+    if config.get("always_compile") or (config.get("compute_engine") == "xla" and config.get("fusion_fuel") < 0):
+        # Every node is placed on XLA and may fuse with every other: one group, which is convex
+        # by construction.  This is the common case, so it skips the walk.
+        group = Group(0, Engine.XLA, list(nodes), SplitReason.FIRST, list(outputs))
+        return Plan([group], {n.id: cost.bound(n) for n in nodes})
     group_of: dict[int, Group] = {}
     # transitive closure of group dependencies, to keep groups convex
     depends_on: dict[int, set[int]] = {}
