@@ -21,6 +21,10 @@ CASES = {
     "index_fill": lambda x: x.index_fill(1, torch.tensor([4]), 1.0),
     "take": lambda x: x.take(torch.tensor([20])),
     "embedding": lambda x: torch.nn.functional.embedding(torch.tensor([7]), x),
+    "embedding_negative": lambda x: torch.nn.functional.embedding(torch.tensor([-1]), x),
+    "gather_negative": lambda x: x.gather(0, torch.tensor([[-1, 0, 0, 0]])),
+    "index_select_negative": lambda x: x.index_select(0, torch.tensor([-1])),
+    "index_add_negative": lambda x: x.index_add(0, torch.tensor([-1]), torch.ones(1, 4)),
 }
 
 
@@ -42,10 +46,15 @@ def test_out_of_range_index_raises_like_strict(name):
 
 
 def test_in_range_negative_indices_still_work():
+    """Where torch accepts negative indices (x[idx], take, index_fill), defer does too."""
+    def program(x):
+        return x[torch.tensor([-1, -3, 0])], x.take(torch.tensor([-1, -12])), x.index_fill(1, torch.tensor([-1]), 7.0)
+    expected = program(x)
     with deferfuse.config.override(always_compile=True):
         with deferfuse.defer():
-            y = x[torch.tensor([-1, -3, 0])] + x.gather(1, torch.tensor([[-1], [0], [-4]]))
-    torch.testing.assert_close(y, x[torch.tensor([2, 0, 0])] + x.gather(1, torch.tensor([[3], [0], [0]])))
+            actual = program(x)
+    for e, a in zip(expected, actual):
+        torch.testing.assert_close(a, e)
 
 
 def test_error_names_value_bound_dim_and_line():

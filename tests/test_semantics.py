@@ -266,3 +266,16 @@ def test_reshape_inside_decomposition_copies_when_it_must():
     F = torch.nn.functional
     check(lambda x: F.pixel_shuffle(x, 2), torch.randn(2, 12, 1, 5))
     check(lambda x: F.unfold(x, kernel_size=2), torch.randn(1, 2, 4, 5))
+
+
+def test_inplace_metadata_ops_on_deferred_tensors():
+    """Regression: vector @ matrix failed because matmul squeezes its mm output in place."""
+    def program(v, m):
+        out = v @ m
+        y = m * 2
+        y.t_()
+        y.unsqueeze_(0)
+        y.squeeze_(0)
+        z = (m + 1).as_strided_((2, 2), (1, 4), 1)
+        return out, y, y + 1, z * 1
+    check(program, torch.randn(3), torch.randn(3, 4))

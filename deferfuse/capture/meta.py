@@ -30,10 +30,15 @@ class MetaEntry:
 _CACHE: dict[Any, MetaEntry] = {}
 
 
+def to_meta_tensor(m: TensorMeta) -> torch.Tensor:
+    """A meta tensor with ``m``'s layout inside a storage of ``m.storage_numel`` elements."""
+    base = torch.empty((m.storage_numel,), dtype=m.dtype, device="meta")
+    return base.as_strided(m.shape, m.stride, m.offset)
+
+
 def _to_meta(a: Any) -> Any:
     if isinstance(a, TensorMeta):
-        base = torch.empty((a.storage_numel,), dtype=a.dtype, device="meta")
-        return base.as_strided(a.shape, a.stride, a.offset)
+        return to_meta_tensor(a)
     if isinstance(a, RuntimeScalar):
         return a.value
     if isinstance(a, (list, tuple)):

@@ -320,12 +320,33 @@ class Recorder:
         return self.run_eager(func, info, args, kwargs, reason, None)
 
     def run_inplace_view(self, func, info, args, kwargs) -> Any:
-        if any(isinstance(a, DeferredTensor) for a in _tensors_in(args, kwargs)):
+        """t_, unsqueeze_, squeeze_, as_strided_, ...: new metadata over the same storage.
+
+        For a deferred tensor the op is run on a meta tensor to learn the new metadata, then
+        applied to the wrapper itself with dispatch disabled, so its shape changes in place as a
+        plain tensor's would; its values are read from the storage through the new metadata.
+        """
+        target = args[0]
+        if not isinstance(target, DeferredTensor):
+            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.INPLACE_VIEW)
+        if any(isinstance(a, torch.Tensor) for a in _tensors_in(args[1:], kwargs)):
             raise NotImplementedError(
-                f"{func} changes the shape or strides of a deferred tensor in place, which deferfuse "
-                f"does not support yet; use the out-of-place form (for example x = x.unsqueeze(0) "
-                f"instead of x.unsqueeze_(0)) or run this code under deferfuse.strict()")
-        return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.INPLACE_VIEW)
+                f"{func} re-points a deferred tensor at other memory, which deferfuse does not support; "
+                f"call deferfuse.sync() first or run this code under deferfuse.strict()")
+        before = meta_.to_meta_tensor(target._meta)
+        storage = before.untyped_storage()
+        func(before, *args[1:], **kwargs)
+        after_storage = before.untyped_storage()
+        if after_storage._cdata != storage._cdata or after_storage.nbytes() != storage.nbytes():
+            raise NotImplementedError(
+                f"{func} resizes a deferred tensor's storage, which deferfuse does not support; "
+                f"call deferfuse.sync() first or run this code under deferfuse.strict()")
+        new_meta = TensorMeta(tuple(before.shape), tuple(before.stride()), before.storage_offset(),
+                              target._meta.dtype, target._meta.device, target._meta.storage_numel)
+        with torch._C._DisableTorchDispatch():
+            aten.as_strided_.default(target, new_meta.shape, new_meta.stride, new_meta.offset)
+        target._meta = new_meta
+        return target
 
     def run_random(self, func, info, args, kwargs) -> Any:
         if info.is_factory:

@@ -191,6 +191,9 @@ def mish_backward(ctx, grad, x):
 @lowering(aten.sigmoid_backward.default, check=_check)
 def sigmoid_backward(ctx, grad, y):
     grad, y = _tensors(ctx, grad, y)
+    if jnp.dtype(ctx.out_dtype) == jnp.float16:
+        # torch's float16 kernel rounds 1 - y and grad * (1 - y) to float16 (bfloat16's does not)
+        return _tensors(ctx, grad * _tensors(ctx, 1 - y)) * y
     return grad * (1 - y) * y
 
 
@@ -251,7 +254,8 @@ def shrink_backward(ctx, grad, x, lambd):
 @lowering(aten.logit_backward.default, check=_check)
 def logit_backward(ctx, grad, x, eps=None):
     grad, x = _tensors(ctx, grad, x)
-    derivative = grad / (x * (1 - x))
+    # torch rounds 1 - x and the denominator to float16/bfloat16
+    derivative = grad / _tensors(ctx, x * _tensors(ctx, 1 - x))
     if eps is None or eps < 0:
         return jnp.where((x < 0) | (x > 1), jnp.nan, derivative)
     low, high = _logit_bounds(ctx.out_dtype, eps)

@@ -2,20 +2,19 @@
 new_* forms.
 
 A factory's output shape and dtype come from ``ctx.out`` (torch inferred them on meta tensors),
-so the rules only compute values.  Their Scalar arguments may arrive as Python numbers or as 0-d
-float64 JAX values (runtime scalars); every rule here treats them as traced values, never
-branching on them in Python.
+so the rules only compute values.  A factory's Scalar arguments are static Python numbers, but
+full_like/new_full get runtime scalars and linspace.Tensor_Tensor and friends 0-dim tensors, so
+the value arithmetic below is written for traced values throughout.
 
-arange and linspace follow torch's CPU kernels (RangeFactoriesKernel.cpp) closely enough that
-integer results are exact:
-- arange computes ``start + i * step`` in the accumulate type (int64 for integer outputs, with a
-  float ``start``/``step`` truncated to an integer first; float64 for float outputs).
-- linspace computes ``start + step * i`` for the first half and ``end - step * (steps - i - 1)``
-  for the second, in the output's own type (double for integer outputs), and the compiler fuses
-  each into one fused multiply-add, rounded once.  We measured this on torch 2.13: modelling the
-  single rounding matches torch bit for bit for int32/int64/float32/float64, while rounding the
-  product first disagrees for ~10% of integer linspaces.
-- empty* contents are unspecified in torch; we produce zeros.
+arange, range and linspace reproduce torch's CPU kernels (RangeFactoriesKernel.cpp,
+RangeFactories.cpp) bit for bit, which integer outputs need and float outputs get for free:
+- Integer outputs accumulate in int64 after truncating a float start/step (``Scalar::to``).
+- Float outputs accumulate in double, and the compiler fused each ``start + step * i`` into one
+  multiply-add, rounded once (``_fma_f64``).  We measured this on torch 2.13: rounding the
+  product first disagrees with torch on ~10% of integer linspaces.
+- arange writes SIMD vectors: a vector's first element is ``start + step * i0``, rounded to the
+  output type, and the others add ``j * step`` to that (``_arange_base_index``).
+- linspace computes the first half from ``start`` and the second half from ``end``.
 """
 
 from __future__ import annotations
@@ -27,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
-
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import dtypes as _dtypes
+from .linalg import raise_like_cpu
 from .registry import LoweringContext, lowering
 
 aten = torch.ops.aten
@@ -69,10 +68,9 @@ def _filled(ctx: LoweringContext, value):
     return jnp.full(ctx.out_shape, _scalar(value, ctx.out_dtype), ctx.out_dtype)
 
 
-@lowering(aten.zeros.default, aten.empty.memory_format, aten.empty_strided.default,
-          aten.zeros_like.default, aten.empty_like.default,
-          aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
-          check=_check_strided)
+# empty, empty_like, empty_strided, empty_permuted, new_empty and new_empty_strided need no rule:
+# the recorder runs allocations eagerly (capture/classify.py, OpKind.ALLOCATION).
+@lowering(aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, check=_check_strided)
 def zeros(ctx, *args, **kwargs):
     return jnp.zeros(ctx.out_shape, ctx.out_dtype)
 
@@ -84,8 +82,8 @@ def ones(ctx, *args, **kwargs):
 
 def _check_fill(ctx: LoweringContext) -> Optional[str]:
     fill = ctx.args[2] if ctx.op is aten.new_full.default else ctx.args[-1]
-    if isinstance(fill, complex):
-        return "complex fill values are not lowered"
+    if isinstance(fill, complex) and not ctx.out[0].dtype.is_complex:
+        return "a complex fill of a real tensor is not lowered"
     if ctx.op is aten.full.default:
         # full refuses values the dtype cannot hold (1e20 as float16, 300 as uint8) where the
         # meta kernel does not, except on its one-element fast path.  A factory's fill value is
@@ -134,7 +132,9 @@ def _split(a):
 
 def _fma_f64(a, b, c):
     """a * b + c rounded once (as a hardware FMA does), for float64 ``a`` and ``c`` and integral
-    float64 ``b`` below 2**26: the product is kept as an exact double-double sum."""
+    float64 ``b`` below 2**26 (beyond, within an ulp of it): the product is kept as an exact
+    double-double sum.  The error-free transformations below rely on XLA neither contracting nor
+    reassociating float arithmetic, as on CPU (the bit-exact linspace tests check it)."""
     a_high, a_low = _split(a)
     p_high, p_low = a_high * b, a_low * b          # both exact
     s = c + p_high
@@ -207,17 +207,9 @@ def _arange(ctx: LoweringContext, start, step):
     return _fma_f64(step, offset, first)
 
 
-def _raise_like_cpu(ctx: LoweringContext) -> str:
-    """Run the factory call for real so that torch raises its own exception at record time
-    (the meta kernels accept dtypes that the CPU kernels reject, such as a bool arange)."""
-    with _disable_current_modes():
-        ctx.op(*ctx.args, **ctx.kwargs)
-    return "the meta and CPU kernels disagree on this call"
-
-
 def _check_range(ctx: LoweringContext) -> Optional[str]:
     if ctx.out[0].dtype == torch.bool:
-        return _raise_like_cpu(ctx)
+        return raise_like_cpu(ctx)
     return _check_real(ctx)
 
 
@@ -236,7 +228,8 @@ def arange_start_step(ctx, start, end, step=1, **kwargs):
     return _arange(ctx, start, step)
 
 
-@lowering(aten.linspace.default, check=_check_range)
+@lowering(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
+          aten.linspace.Scalar_Tensor, check=_check_range)
 def linspace(ctx, start, end, steps, **kwargs):
     dtype = ctx.out_dtype
     if steps <= 1:
@@ -264,37 +257,43 @@ def linspace(ctx, start, end, steps, **kwargs):
     else:
         start, end = _scalar(start, _F64), _scalar(end, _F64)
     step = (end - start) / float(steps - 1)
-    if steps > 2 ** 26:
-        k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
-        values = jnp.where(head, start + step * k, end - step * k)
-    else:
-        k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
-        values = jnp.where(head, _fma_f64(step, k, start), _fma_f64(-step, k, end))
+    k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
+    values = jnp.where(head, _fma_f64(step, k, start), _fma_f64(-step, k, end))
     return values.astype(dtype)
 
 
-def _check_logspace(ctx: LoweringContext) -> Optional[str]:
-    if ctx.out[0].dtype == torch.bool:
-        return _raise_like_cpu(ctx)
-    if not ctx.out[0].dtype.is_floating_point:
-        # torch truncates pow() results; XLA's pow is not exact at integral exponents.
-        return "integer logspace is not lowered"
-    return _check_real(ctx)
+@lowering(aten.range.default, aten.range.step, check=_check_range)
+def range_(ctx, start, end, step=1, **kwargs):
+    """The deprecated torch.range: end inclusive, and a plain (unvectorized) loop computing
+    ``start + i * step`` in the accumulate type, the multiply-add fused."""
+    (n,) = ctx.out_shape
+    dtype = ctx.out_dtype
+    if jnp.issubdtype(dtype, jnp.integer):
+        return _scalar(start, _I64) + lax.iota(_I64, n) * _scalar(step, _I64)
+    acc = jnp.float32 if dtype in _HALF_TYPES else _F64
+    start, step = _scalar(start, acc), _scalar(step, acc)
+    if acc == jnp.float32:
+        return start + step * lax.iota(acc, n)
+    return _fma_f64(step, lax.iota(_F64, n), start)
 
 
-@lowering(aten.logspace.default, check=_check_logspace)
+@lowering(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar,
+          aten.logspace.Scalar_Tensor, check=_check_range)
 def logspace(ctx, start, end, steps, base=10.0, **kwargs):
+    """torch: start and end in the output type, the step and the exponent in double, and
+    pow(double, double) cast to the output type.  Integer outputs truncate that power; XLA's pow
+    is exact at integral exponents, and elsewhere within an ulp of libm's, so truncation agrees
+    except for a power within an ulp of an integer at a fractional exponent."""
     dtype = ctx.out_dtype
     if steps <= 1:
-        return jnp.full(ctx.out_shape, jnp.power(base, _scalar(start, _F64)), dtype)
-    # torch: start and end in the output type, their difference too; the step and the
-    # exponent in double.
+        return jnp.full(ctx.out_shape, jnp.power(base, _scalar(start, _F64)), _F64)
     start, end = _scalar(start, dtype), _scalar(end, dtype)
     step = (end - start).astype(_F64) / float(steps - 1)
     i = np.arange(steps)
     head = i < steps // 2
     k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
-    exponent = jnp.where(head, start.astype(_F64) + step * k, end.astype(_F64) - step * k)
+    exponent = jnp.where(head, _fma_f64(step, k, start.astype(_F64)),
+                         _fma_f64(-step, k, end.astype(_F64)))
     return jnp.power(jnp.asarray(base, _F64), exponent)
 
 

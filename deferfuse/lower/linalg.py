@@ -9,9 +9,10 @@ Conventions:
 - Integer products accumulate in int64 and wrap when cast back, which is exact: torch's integer
   gemm wraps in the output type and both are arithmetic modulo 2**bits.
 - ``beta == 0`` drops ``input`` entirely (NaN and Inf in it do not propagate), as torch documents.
-  ``alpha == 0`` is murkier: torch's gemm paths skip the product for float32/float64 (addmm, addmv,
-  addbmm, and baddbmm above its small-matrix threshold) but its other kernels compute
-  ``0 * product``; ``_ALPHA_ZERO_SKIPS_PRODUCT`` records what we measured on torch 2.13.
+  ``alpha == 0`` is murkier; we follow what we measured on torch 2.13: its float32/float64 gemm
+  paths skip the product (addmm, addmv, addbmm, and baddbmm above ``_BADDBMM_SMALL``), while its
+  other kernels (addr, small baddbmm, the float16/bfloat16 paths) compute ``0 * product``, so a
+  NaN or Inf in the product propagates.  (A large bfloat16 baddbmm skips it in torch; not modelled.)
 - The meta kernels accept dtype combinations the CPU kernels reject (bool, mixed dtypes); the
   checkers replay such calls on CPU stand-ins so the user sees torch's own exception.
 """
@@ -134,7 +135,10 @@ def addmm(ctx, x, a, b, *, beta=1, alpha=1):
 
 @lowering(aten.addbmm.default, check=_check_matmul)
 def addbmm(ctx, x, a, b, *, beta=1, alpha=1):
-    product = matmul(a, b).sum(axis=0)
+    # one contraction over both the batch and the inner dim, not a bmm and then a sum
+    acc = _acc_dtype(a.dtype)
+    product = lax.dot_general(a.astype(acc), b.astype(acc), (((0, 2), (0, 1)), ((), ())),
+                              precision=_HIGHEST, preferred_element_type=acc)
     return _add_scaled(ctx, x, product, beta, alpha, alpha_zero_skips=True)
 
 

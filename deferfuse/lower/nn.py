@@ -16,7 +16,7 @@ Conventions:
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ import torch
 from jax import lax
 
 from .linalg import raise_like_cpu
-from .registry import LoweringContext, lowering
+from .registry import bounds_check, LoweringContext, lowering
 
 aten = torch.ops.aten
 
@@ -65,7 +65,8 @@ def _check_dtypes(ctx: LoweringContext, tensors, *, floating: bool) -> Optional[
     dtypes = {t.dtype for t in tensors if t is not None}
     if any(dt.is_complex for dt in dtypes):
         return "complex dtypes are not lowered"
-    if len(dtypes) > 1 or torch.bool in dtypes or (floating and not all(dt.is_floating_point for dt in dtypes)):
+    integral = not all(dt.is_floating_point for dt in dtypes)
+    if len(dtypes) > 1 or torch.bool in dtypes or (floating and integral):
         return raise_like_cpu(ctx)
     return None
 
@@ -75,7 +76,7 @@ def _check_dtypes(ctx: LoweringContext, tensors, *, floating: bool) -> Optional[
 def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     nd = x.ndim - 2
     stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
-    spatial = "DHW"[3 - nd:] if nd <= 3 else None
+    spatial = "DHW"[3 - nd:]   # the checkers admit 1 to 3 spatial dims
     dims = ("NC" + spatial, "OI" + spatial, "NC" + spatial)
     acc = _acc(x).dtype
     x, w = x.astype(acc), w.astype(acc)
@@ -116,10 +117,6 @@ def convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_p
 def _check_conv_backward(ctx: LoweringContext) -> Optional[str]:
     if not 1 <= len(ctx.args[1].shape) - 2 <= 3:
         return "only 1d, 2d and 3d convolutions are lowered"
-    if not all(ctx.args[10]):
-        # The recorder rebuilds an op's outputs from its tensor outputs only, so a None output
-        # (torch's "not requested") shifts the others.  Remove this once it keeps the positions.
-        return "core: outputs that output_mask leaves undefined are not restored as None"
     return _check_dtypes(ctx, ctx.args[:3], floating=True)
 
 
@@ -147,7 +144,8 @@ def _check_embedding(ctx: LoweringContext) -> Optional[str]:
 
 @lowering(aten.embedding.default, check=_check_embedding)
 def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    # padding_idx only changes the backward.  Out-of-range indices give NaN (torch raises).
+    # padding_idx only changes the backward; out-of-range indices raise torch's IndexError
+    bounds_check(indices, weight.shape[0], 0)
     return jnp.take(weight, indices, axis=0, mode="fill")
 
 
@@ -171,14 +169,15 @@ def embedding_dense_backward(ctx, grad_output, indices, num_weights, padding_idx
 # -- nll_loss ------------------------------------------------------------------------------------
 
 def _check_nll(ctx: LoweringContext) -> Optional[str]:
-    x = ctx.args[1] if ctx.op in (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default) \
-        else ctx.args[0]
-    if not x.dtype.is_floating_point:
+    backward = ctx.op._schema.name.endswith("_backward")
+    x, target = ctx.args[1:3] if backward else ctx.args[0:2]
+    # the meta kernels accept int32 targets and integer inputs; the CPU kernels do not
+    if not x.dtype.is_floating_point or target.dtype not in (torch.int64, torch.uint8):
         return raise_like_cpu(ctx)
     return None
 
 
-def _target_weights(x, target, weight, ignore_index, class_axis):
+def _target_weights(x, target, weight, ignore_index):
     """(per-target weights with ignored targets at 0, ignored mask, targets safe to gather)."""
     ignored = target == ignore_index
     safe = jnp.where(ignored, 0, target)
@@ -189,7 +188,7 @@ def _target_weights(x, target, weight, ignore_index, class_axis):
 
 def _nll_forward(x, target, weight, reduction, ignore_index):
     class_axis = 0 if x.ndim == 1 else 1
-    w, ignored, safe = _target_weights(x, target, weight, ignore_index, class_axis)
+    w, ignored, safe = _target_weights(x, target, weight, ignore_index)
     picked = jnp.take_along_axis(_acc(x), jnp.expand_dims(safe, class_axis), axis=class_axis,
                                  mode="fill")
     picked = jnp.squeeze(picked, class_axis)
@@ -204,7 +203,7 @@ def _nll_forward(x, target, weight, reduction, ignore_index):
 
 def _nll_backward(grad_output, x, target, weight, reduction, ignore_index, total_weight):
     class_axis = 0 if x.ndim == 1 else 1
-    w, ignored, safe = _target_weights(x, target, weight, ignore_index, class_axis)
+    w, ignored, safe = _target_weights(x, target, weight, ignore_index)
     g = _acc(grad_output)
     if reduction == _MEAN:
         g = g / _acc(total_weight)
@@ -256,8 +255,9 @@ def _check_pool(ctx: LoweringContext) -> Optional[str]:
     x = ctx.args[1] if backward else ctx.args[0]
     if x.dtype.is_complex:
         return "complex pooling is not lowered"
-    if x.dtype == torch.bool or (ctx.op is not aten.max_pool2d_with_indices.default
-                                 and not x.dtype.is_floating_point):
+    integer_ok = {aten.max_pool2d_with_indices.default: True,
+                  aten.avg_pool2d.default: x.dtype == torch.int64}.get(ctx.op, False)
+    if x.dtype == torch.bool or not (x.dtype.is_floating_point or integer_ok):
         return raise_like_cpu(ctx)   # e.g. "avg_pool2d" not implemented for 'Byte'
     return None
 
@@ -332,8 +332,11 @@ def _avg_pool(x, out_hw, kernel_size, stride, padding, ceil_mode, count_include_
     total = taps[0]
     for t in taps[1:]:
         total = total + t
-    divisor = _avg_divisors(h, w, oh, ow, kernel, stride, pad, count_include_pad, divisor_override)
-    return total / jnp.asarray(divisor, total.dtype)
+    divisor = jnp.asarray(_avg_divisors(h, w, oh, ow, kernel, stride, pad, count_include_pad,
+                                        divisor_override), total.dtype)
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return lax.div(total, jnp.broadcast_to(divisor, total.shape))   # C++ division truncates
+    return total / divisor
 
 
 @lowering(aten.avg_pool2d.default, check=_check_pool)
@@ -443,7 +446,7 @@ def upsample_nearest2d_backward(ctx, grad_output, output_size, input_size, scale
 # -- pointwise losses ----------------------------------------------------------------------------
 
 def _check_loss(ctx: LoweringContext) -> Optional[str]:
-    return _check_dtypes(ctx, [t for t in ctx.args if hasattr(t, "dtype")], floating=True)
+    return _check_dtypes(ctx, ctx.tensor_args(), floating=True)
 
 
 def _norm(x, reduction):
@@ -510,7 +513,7 @@ def binary_cross_entropy_backward(ctx, grad_output, x, target, weight=None, redu
     grad = _acc(grad_output) * (x - t) / jnp.maximum((1 - x) * x, 1e-12)
     if weight is not None:
         grad = grad * _acc(weight)
-    return grad * jnp.asarray(_norm(x, reduction), x.dtype) if reduction == _MEAN else grad
+    return grad / x.size if reduction == _MEAN else grad
 
 
 @lowering(aten.binary_cross_entropy_with_logits.default, check=_check_loss)

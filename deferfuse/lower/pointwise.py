@@ -21,6 +21,7 @@ import platform
 import warnings
 
 import jax.numpy as jnp
+import jax.scipy.special as jax_special
 import numpy as np
 import torch
 from jax import lax
@@ -92,7 +93,8 @@ def _is_int(dt) -> bool:
 
 def _as(dt, *xs):
     """Arrays and Python/traced scalars as arrays of dtype ``dt``."""
-    out = [x if getattr(x, "dtype", None) == dt else jnp.asarray(x).astype(dt) for x in xs]
+    # (not getattr(x, "dtype", None) == dt: numpy reads None as float64)
+    out = [x if hasattr(x, "dtype") and x.dtype == dt else jnp.asarray(x).astype(dt) for x in xs]
     return out[0] if len(out) == 1 else out
 
 
@@ -164,11 +166,41 @@ def mul(ctx, x, y):
     return x * y
 
 
+_DEKKER_SPLIT = 134217729.0   # 2 ** 27 + 1
+
+
+def _product_error(a, b, p):
+    """a * b - p exactly, for p = a * b rounded (Dekker's two-product, no FMA needed)."""
+    def split(v):
+        c = _DEKKER_SPLIT * v
+        high = c - (c - v)
+        return high, v - high
+    a_high, a_low = split(a)
+    b_high, b_low = split(b)
+    return ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low
+
+
+def _divide(x, y):
+    """x / y rounded once, as torch divides.  XLA turns a division by a broadcast value into a
+    multiplication by its reciprocal, which rounds twice (trunc(0.6 / 0.2) would become 3).
+    Narrower floats divide in float64, which rounds to them exactly; float64 quotients get one
+    correction step from their exact residual."""
+    if jnp.shape(y) == jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y)):
+        return x / y
+    if x.dtype != jnp.float64:
+        return (x.astype(jnp.float64) / y.astype(jnp.float64)).astype(x.dtype)
+    q = x / y
+    p = q * y
+    residual = (x - p) - _product_error(q, y, p)
+    corrected = q + residual / y
+    return jnp.where(jnp.isfinite(corrected), corrected, q)
+
+
 @lowering(aten.div.Tensor, aten.div.Scalar, check=_check)
 def div(ctx, x, y):
     # the common dtype of true division is floating (int / int gives float32)
     x, y = _through(ctx.out_dtype, x), _second_operand(ctx.out_dtype, y)
-    return x / y
+    return _divide(x, y)
 
 
 def _no_integer_division_by_zero(y):
@@ -198,7 +230,8 @@ def div_mode(ctx, x, y, *, rounding_mode=None):
     x, y = _through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
     if rounding_mode == "trunc":
         if _is_float(x.dtype):
-            return jnp.trunc(x / y)
+            # torch rounds the quotient to float16/bfloat16 before truncating it
+            return jnp.trunc(_through(ctx.promoted_dtype, _divide(x, y)))
         _no_integer_division_by_zero(y)
         return lax.div(*jnp.broadcast_arrays(x, y))
     return _floor_divide(x, y)
@@ -253,7 +286,16 @@ def pow_(ctx, base, exponent):
     base, exponent = _through(common, base, exponent)
     if _is_int(common):
         return _integer_power(*jnp.broadcast_arrays(base, exponent))
-    return jnp.power(base, exponent)
+    # XLA's pow is exp(y log x), whose error grows with |y log x| (5e-6 relative for float32
+    # results near 1e30); computed in float64 it stays within torch's ulp
+    result = jnp.power(base.astype(jnp.float64), exponent.astype(jnp.float64)).astype(base.dtype)
+    if ctx.op is aten.pow.Tensor_Scalar:
+        # torch special-cases these exponents (so (-inf) ** 0.5 is sqrt(-inf), nan)
+        e = exponent
+        result = jnp.select([e == 0.5, e == -0.5, e == 2, e == 3, e == -1, e == -2],
+                            [jnp.sqrt(base), 1 / jnp.sqrt(base), base * base, base * base * base, 1 / base,
+                             1 / (base * base)], result)
+    return result
 
 
 # -- unary math ------------------------------------------------------------------------------------
@@ -277,6 +319,17 @@ def _exp2(x):
     return jnp.where(finite, scaled, jnp.where(x > 0, x, jnp.where(x != x, x, 0)))
 
 
+def _sinh(x):
+    # XLA's sinh/cosh scale by exp(|x| - log 2), 12 ulps off torch's for large |x|; torch's
+    # overflow to inf where exp(|x|) does
+    exp_difference = 0.5 * (jnp.exp(x) - jnp.exp(-x))
+    return jnp.where(jnp.abs(x) < 1, jnp.sinh(x), exp_difference)
+
+
+def _cosh(x):
+    return 0.5 * (jnp.exp(x) + jnp.exp(-x))
+
+
 _FLOAT_UNARY = {
     aten.exp.default: jnp.exp, aten.exp2.default: _exp2, aten.expm1.default: jnp.expm1,
     aten.log.default: jnp.log, aten.log2.default: jnp.log2, aten.log10.default: jnp.log10,
@@ -284,11 +337,17 @@ _FLOAT_UNARY = {
     aten.rsqrt.default: lambda x: 1 / jnp.sqrt(x), aten.reciprocal.default: lambda x: 1 / x,
     aten.sin.default: jnp.sin, aten.cos.default: jnp.cos, aten.tan.default: jnp.tan,
     aten.asin.default: jnp.arcsin, aten.acos.default: jnp.arccos, aten.atan.default: jnp.arctan,
-    aten.sinh.default: jnp.sinh, aten.cosh.default: jnp.cosh, aten.tanh.default: jnp.tanh,
+    aten.sinh.default: _sinh, aten.cosh.default: _cosh, aten.tanh.default: jnp.tanh,
     aten.asinh.default: jnp.arcsinh, aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
     aten.erf.default: lax.erf, aten.erfc.default: lax.erfc, aten.erfinv.default: lax.erf_inv,
     aten.lgamma.default: lax.lgamma, aten.digamma.default: _digamma,
     aten.sigmoid.default: _sigmoid,
+    aten.i0.default: lambda x: lax.bessel_i0e(x) * jnp.exp(jnp.abs(x)), aten.special_i0e.default: lax.bessel_i0e,
+    aten.special_i1.default: lambda x: lax.bessel_i1e(x) * jnp.exp(jnp.abs(x)),
+    aten.special_i1e.default: lax.bessel_i1e,
+    aten.special_ndtri.default: jax_special.ndtri, aten.special_log_ndtr.default: jax_special.log_ndtr,
+    # the argument of a real number: pi for negatives, nan stays nan
+    aten.angle.default: lambda x: jnp.where(x < 0, jnp.asarray(math.pi, x.dtype), jnp.where(x != x, x, 0)),
 }
 
 
@@ -299,6 +358,9 @@ def _float_unary_rule(fn):
     return rule
 
 
+# torch evaluates the Bessel series (i0, i0e, i1, i1e) in float16/bfloat16 arithmetic for those
+# dtypes, a few ulps from the float32 evaluation rounded once that this (and torch's own
+# decomposition) computes.
 for _op, _fn in _FLOAT_UNARY.items():
     lowering(_op, check=_check)(_float_unary_rule(_fn))
 
@@ -353,11 +415,14 @@ def _logit_bounds(dt, eps):
 
 @lowering(aten.logit.default, check=_check)
 def logit(ctx, x, eps=None):
-    x = _through(ctx.out_dtype, x)
+    dt = ctx.out_dtype
+    x = _through(dt, x)
     if eps is not None and eps >= 0:
-        low, high = _logit_bounds(ctx.out_dtype, eps)
+        low, high = _logit_bounds(dt, eps)
         x = jnp.where(x < low, low, jnp.where(x > high, high, x))
-    return jnp.log(x / (1 - x))
+    # torch rounds 1 - x and the ratio to float16/bfloat16 before the log
+    one_minus = _through(dt, 1 - x)
+    return jnp.log(_through(dt, x / one_minus))
 
 
 @lowering(aten.isnan.default, check=_check)
@@ -426,6 +491,12 @@ def _float_binary_rule(fn):
 
 for _op, _fn in _FLOAT_BINARY.items():
     lowering(_op, check=_check)(_float_binary_rule(_fn))
+
+
+@lowering(aten.nextafter.default, check=_check)
+def nextafter(ctx, x, y):
+    # in the tensors' own dtype: the next float16 after x is not the next float32
+    return jnp.nextafter(*_promoted(ctx, x, y))
 
 
 @lowering(aten.heaviside.default, check=_check)

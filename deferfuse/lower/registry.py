@@ -104,6 +104,10 @@ def runtime_check(failed: Any, error: type, message: str, value: Any = None) -> 
 # Which exception torch's CPU kernels raise for an out-of-range index, by op name.
 _INDEX_ERRORS_AS_RUNTIME = frozenset({"gather", "scatter", "scatter_add", "scatter_reduce", "index_add"})
 _FLAT_INDEX_OPS = frozenset({"take", "put"})
+# Ops whose CPU kernels accept negative indices from -size (the others reject them).
+_NEGATIVE_INDEX_OPS = frozenset({"index", "index_put", "index_fill", "take", "put"})
+# Ops whose CPU kernels say only "index out of range in self".
+_TERSE_INDEX_OPS = frozenset({"index_select", "embedding", "index_reduce"})
 
 
 def bounds_check(index: Any, size: int, dim: int) -> None:
@@ -118,10 +122,13 @@ def bounds_check(index: Any, size: int, dim: int) -> None:
     error = RuntimeError if name in _INDEX_ERRORS_AS_RUNTIME else IndexError
     if name in _FLAT_INDEX_OPS:
         message = f"{op}: out of range: tried to access index {{value}} on a tensor of {size} elements."
+    elif name in _TERSE_INDEX_OPS:
+        message = f"{op}: index out of range in self (index {{value}}, dimension {dim} with size {size})"
     else:
         message = f"{op}: index {{value}} is out of bounds for dimension {dim} with size {size}"
     index = jnp.asarray(index)
-    runtime_check((index < -size) | (index >= size), error, message, index)
+    lowest = -size if name in _NEGATIVE_INDEX_OPS else 0
+    runtime_check((index < lowest) | (index >= size), error, message, index)
 
 
 class RuntimeScalar:
