@@ -84,6 +84,9 @@ _declare("eager_first_runs", int, 1,
 _declare("background_compile", bool, True,
          "Compile new signatures on a background thread, so an eager run never waits for XLA.")
 _declare("explain_history", int, 16, "How many recent flush plans deferfuse.explain() keeps.")
+_declare("check_nans", bool, False,
+         "In debug mode, raise at the first op whose output holds a NaN or Inf that its inputs "
+         "did not (costs one pass over every floating-point output).")
 
 
 class _State(threading.local):

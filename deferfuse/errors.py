@@ -47,3 +47,28 @@ class FallbackReason(enum.Enum):
     UNSUPPORTED_ALIASING = "unsupported_aliasing"  # e.g. a dtype view of a storage
     INPLACE_VIEW = "inplace_view"            # metadata-mutating op on a deferred tensor
     LOWERING_FAILED = "lowering_failed"      # a lowering raised while tracing
+
+
+class DebugCheckError(DeferfuseError):
+    """A check of debug mode failed: the op would have read or written memory it should not,
+    or produced values the user asked to be told about."""
+
+
+class IndexBoundsError(DebugCheckError):
+    """An index out of range, for ops on which torch raises RuntimeError (gather, scatter,
+    index_select, index_add, embedding_bag)."""
+
+
+class IndexBoundsIndexError(IndexBoundsError, IndexError):
+    """An index out of range, for ops on which torch raises IndexError (embedding, indexing
+    with tensors, index_put, take, index_copy, index_fill), so ``except IndexError`` still
+    catches it."""
+
+
+class NonFiniteError(DebugCheckError, FloatingPointError):
+    """An op produced NaN or Inf from inputs that had none (debug mode with check_nans on)."""
+
+
+class OverlapError(DebugCheckError):
+    """An op writes memory that one of its other inputs reads (torch raises RuntimeError for
+    the cases it detects)."""

@@ -5,8 +5,10 @@ debug   (TorchTPU: DEFER_NEVER_AND_LAUNCH_BLOCKING)   ops run one by one, synchr
 defer   (TorchTPU: DEFER_AND_FUSE)                    ops are recorded, fused and run when observed
 
 The stack is per thread, like torch's dispatch-mode stack.  Entering defer pushes a DeferMode
-onto torch's dispatch stack; entering strict or debug inside defer flushes and takes it off
-until the inner block ends.  Leaving a defer block flushes everything still alive in it.
+onto torch's dispatch stack and entering debug pushes a DebugMode; the innermost block wins.
+Entering strict or debug inside defer flushes and takes the DeferMode off until the inner block
+ends (strict also steps out of debug); defer inside debug records on top of the DebugMode.
+Leaving a defer block flushes everything still alive in it.
 """
 
 from __future__ import annotations
@@ -55,8 +57,12 @@ def parse_mode(value: ModeLike, *, source: str = "mode") -> EagerMode:
 
 class _ModeStack(threading.local):
     def __init__(self) -> None:
-        # each entry: (mode, DeferMode or None) — the DeferMode this entry pushed, if any
-        self.entries: list[tuple[EagerMode, object]] = []
+        # each entry: (mode, the handle this block pushed or None, the handles it suspended)
+        self.entries: list[tuple[EagerMode, object, list]] = []
+        # deferfuse's modes on torch's dispatch stack now, innermost last: (kind, handle), with
+        # a DebugMode or a DeferMode as handle.  At most [debug, defer]: debug inside defer
+        # suspends the defer, so a DeferMode is never below a DebugMode.
+        self.live: list[tuple[EagerMode, object]] = []
         self.default: EagerMode = EagerMode.STRICT
         self.default_handle: object = None
 
@@ -70,12 +76,8 @@ def get_mode() -> EagerMode:
 
 
 def _active_defer() -> Optional[object]:
-    for mode, handle in reversed(_stack.entries):
-        if handle is not None:
-            return handle
-        if mode is not EagerMode.DEFER:
-            return None
-    return _stack.default_handle if _stack.default is EagerMode.DEFER else None
+    live = _stack.live
+    return live[-1][1] if live and live[-1][0] is EagerMode.DEFER else None
 
 
 def _start_defer():
@@ -105,35 +107,98 @@ def _discard_defer(handle) -> None:
             "flushing at the end of a defer block that raised also failed", exc_info=True)
 
 
+def _push(kind: EagerMode) -> object:
+    """Put a new DeferMode or DebugMode on top of torch's dispatch stack."""
+    if kind is EagerMode.DEFER:
+        handle = _start_defer()
+    else:
+        from .debugging import DebugMode
+        handle = DebugMode()
+        handle.__enter__()
+    _stack.live.append((kind, handle))
+    return handle
+
+
+def _pop(handle: object, *, ok: bool) -> None:
+    """Take ``handle`` (the innermost of ours) off torch's dispatch stack; a defer flushes."""
+    kind, top = _stack.live.pop()
+    assert top is handle, "deferfuse modes left torch's dispatch stack out of order"
+    if kind is EagerMode.DEBUG:
+        handle.__exit__(None, None, None)
+    elif ok:
+        _stop_defer(handle, FlushReason.CONTEXT_EXIT)
+    else:
+        _discard_defer(handle)
+
+
+def _suspend(kinds: tuple[EagerMode, ...]) -> list[tuple[EagerMode, object]]:
+    """Step out of our innermost modes while they are of ``kinds``; a defer flushes first, so
+    the block inside sees computed data.  Returns what was suspended, innermost first."""
+    suspended: list[tuple[EagerMode, object]] = []
+    try:
+        while _stack.live and _stack.live[-1][0] in kinds:
+            kind, handle = _stack.live[-1]
+            _require_on_top(handle)
+            if kind is EagerMode.DEFER:
+                handle.recorder.flush_all(FlushReason.CONTEXT_EXIT)
+            handle.__exit__(None, None, None)
+            suspended.append(_stack.live.pop())
+    except BaseException:
+        _resume(suspended)
+        raise
+    return suspended
+
+
+def _require_on_top(handle: object) -> None:
+    # torch pops the top of its dispatch stack, whichever mode that is
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    top = _get_current_dispatch_mode()
+    if top is not handle:
+        raise ModeError(
+            f"cannot leave deferfuse's {type(handle).__name__} while {type(top).__name__}, entered "
+            f"inside that deferfuse block, is above it on torch's dispatch stack; enter "
+            f"{type(top).__name__} outside the deferfuse block, or switch modes outside it")
+
+
+def _resume(suspended: list[tuple[EagerMode, object]]) -> None:
+    for kind, handle in reversed(suspended):
+        handle.__enter__()
+        _stack.live.append((kind, handle))
+
+
 @contextlib.contextmanager
 def mode(m: ModeLike) -> Iterator[EagerMode]:
-    """Run the block under eager mode ``m``; nestable and exception-safe."""
+    """Run the block under eager mode ``m``; nestable and exception-safe.
+
+    The innermost block wins, as on torch's dispatch stack: defer inside debug records (the
+    DebugMode stays below it and checks what defer runs eagerly); debug inside defer flushes
+    and steps out of the defer; strict steps out of both.
+    """
     target = parse_mode(m)
-    outer = _active_defer()
-    handle = None
-    suspended = None
+    live = _stack.live
+    pushed = None
+    suspended: list[tuple[EagerMode, object]] = []
     if target is EagerMode.DEFER:
-        if outer is None:
-            handle = _start_defer()
-    elif outer is not None:
-        # strict/debug inside defer: compute what is pending and step out of the dispatch mode
-        suspended = outer
-        outer.recorder.flush_all(FlushReason.CONTEXT_EXIT)
-        outer.__exit__(None, None, None)
-    _stack.entries.append((target, handle))
+        if not (live and live[-1][0] is EagerMode.DEFER):
+            pushed = _push(EagerMode.DEFER)
+    elif target is EagerMode.DEBUG:
+        suspended = _suspend((EagerMode.DEFER,))
+        if not (live and live[-1][0] is EagerMode.DEBUG):
+            pushed = _push(EagerMode.DEBUG)
+    else:
+        suspended = _suspend((EagerMode.DEFER, EagerMode.DEBUG))
+    _stack.entries.append((target, pushed, suspended))
     ok = False
     try:
         yield target
         ok = True
     finally:
         _stack.entries.pop()
-        if handle is not None:
-            if ok:
-                _stop_defer(handle, FlushReason.CONTEXT_EXIT)
-            else:
-                _discard_defer(handle)
-        if suspended is not None:
-            suspended.__enter__()
+        try:
+            if pushed is not None:
+                _pop(pushed, ok=ok)
+        finally:
+            _resume(suspended)
 
 
 def defer():
@@ -142,6 +207,8 @@ def defer():
 
 
 def debug():
+    """``with deferfuse.debug():`` — run op by op with checks (index bounds, overlapping
+    writes, and NaN/Inf producers when the setting check_nans is on)."""
     return mode(EagerMode.DEBUG)
 
 
@@ -156,10 +223,11 @@ def set_mode(m: ModeLike) -> None:
         raise ModeError("set_mode() cannot change the default inside a `with deferfuse.mode(...)` block")
     if _stack.default_handle is not None:
         handle, _stack.default_handle = _stack.default_handle, None
-        _stop_defer(handle, FlushReason.CONTEXT_EXIT)
+        _stack.default = EagerMode.STRICT
+        _pop(handle, ok=True)
     _stack.default = target
-    if target is EagerMode.DEFER:
-        _stack.default_handle = _start_defer()
+    if target is not EagerMode.STRICT:
+        _stack.default_handle = _push(target)
 
 
 def active_recorder():

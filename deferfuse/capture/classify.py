@@ -89,8 +89,11 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo:
         returns = "list" if str(schema.returns[0].type).startswith("List") else "one"
     else:
         returns = "tuple"
+    # Ops that are only CompositeImplicit (reshape) decompose themselves; ops that also have a
+    # backend kernel (silu_backward) are called directly by autograd and keep their own lowering.
     composite_implicit = torch._C._dispatch_has_kernel_for_dispatch_key(
-        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd) and not \
+        torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CPU)
     return OpInfo(kind, written, scalar_args, tuple(a.name for a in schema.arguments),
                   torch.Tag.pointwise in tags, random, dynamic, is_factory, returns, composite_implicit)
 

@@ -203,6 +203,9 @@ class Recorder:
         if isinstance(a, float):
             # key floats by their bits: -0.0 and nan must not collide
             return a, a, (float, a.hex())
+        if type(a) is bool:
+            # True == 1 and hash alike, but promote differently
+            return a, a, (bool, a)
         return a, a, a
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -400,8 +403,15 @@ class Recorder:
         return _map_tensors(tree, lambda t: t._materialize() if isinstance(t, DeferredTensor) else t)
 
     # -- flushing ------------------------------------------------------------------------------
-    def flush_all(self, reason: FlushReason) -> None:
+    def pending_states(self) -> list[StorageState]:
+        """Live storages with pending contents, in record order (a WeakSet iterates by address,
+        which would make equal programs give different signatures)."""
         states = [s for s in list(self.pending) if s.contents is not None]
+        states.sort(key=lambda s: s.contents[1].node.id)
+        return states
+
+    def flush_all(self, reason: FlushReason) -> None:
+        states = self.pending_states()
         if states:
             materialize_states(states, reason, self)
         self.pending_nodes = 0
@@ -414,7 +424,7 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
         return
     if recorder is not None and any(s.buffer is not None for s in states):
         # Writing back into existing memory: pending readers of that memory must run first.
-        states = list({id(s): s for s in states + [p for p in recorder.pending if p.contents is not None]}.values())
+        states = list({id(s): s for s in states + recorder.pending_states()}.values())
     STATS.flushes[reason.value] += 1
     with no_dispatch(), torch.profiler.record_function("deferfuse.flush"):
         targets: list[Value] = []
@@ -427,8 +437,8 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
         node_ids = {n.id for n in nodes}
         extra_states = []
         if recorder is not None:
-            for p in list(recorder.pending):
-                if p.contents is not None and p not in states and p.contents[1].node.id in node_ids:
+            for p in recorder.pending_states():
+                if p not in states and p.contents[1].node.id in node_ids:
                     if p.contents[0] == "root" and not _is_plain_root(p):
                         continue
                     extra_states.append(p)

@@ -4,7 +4,8 @@ Overlap: an op that writes a tensor while reading another view of the same memor
 values it has already overwritten, in an order that depends on the kernel.  torch detects the
 simple cases (both tensors dense) and silently computes something for the rest; we check every
 pair of a written tensor and another tensor argument that share a storage, element by element
-when their layouts interleave.  The identical view (``x.add_(x)``) is allowed, as in torch.
+when their layouts interleave.  The identical view (``x.add_(x)``) is allowed, as in torch, and
+so is a 0-dim tensor that the kernel reads as a number before writing (``x.fill_(x[0])``).
 
 NaN/Inf (setting ``check_nans``): after each op, floating-point outputs are checked; an op is
 reported only if none of its inputs held NaN/Inf (a non-finite Python number counts as one, so
@@ -13,6 +14,7 @@ reported only if none of its inputs held NaN/Inf (a non-finite Python number cou
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterator, Optional
 
@@ -78,11 +80,12 @@ def check_overlap(func: torch._ops.OpOverload, info, bound: dict[str, Any]) -> N
     if not written:
         return
     by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    read_as_number = _read_as_number(func)
     for name, value in bound.items():
         if name in info.written:
             continue
         for suffix, t in tensors_of(value):
-            if has_data(t) and t.numel():
+            if has_data(t) and t.numel() and not (name in read_as_number and t.dim() == 0):
                 by_storage.setdefault(_storage_key(t), []).append((name + suffix, t))
     for written_name, w in written:
         for read_name, r in by_storage.get(_storage_key(w), ()):
@@ -98,6 +101,20 @@ def check_overlap(func: torch._ops.OpOverload, info, bound: dict[str, Any]) -> N
                     f"memory: {shared}; the result would depend on the order the kernel visits "
                     f"elements",
                     f"Read from a copy: pass `{read_name}.clone()`, or write into a new tensor."))
+
+
+@functools.cache
+def _read_as_number(func: torch._ops.OpOverload) -> frozenset[str]:
+    """Tensor arguments that a sibling overload takes as a Scalar (fill_.Tensor's value,
+    masked_fill_.Tensor's value): the kernel reads a 0-dim tensor there as a number before it
+    writes anything.  Pointwise ops are the exception: their iterator reads it as a tensor."""
+    if torch.Tag.pointwise in func.tags:
+        return frozenset()
+    packet = func.overloadpacket
+    as_scalar = {a.name for name in packet.overloads()
+                 for a in getattr(packet, name)._schema.arguments if str(a.type) == "number"}
+    return frozenset(a.name for a in func._schema.arguments
+                     if a.name in as_scalar and str(a.type) == "Tensor")
 
 
 def _storage_key(t: torch.Tensor) -> int:

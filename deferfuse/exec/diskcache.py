@@ -9,6 +9,7 @@ own compilation cache) is left untouched.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -34,13 +35,26 @@ def cache_dir() -> Optional[str]:
     return os.path.expanduser(path)
 
 
+@functools.cache
+def _code_version() -> str:
+    """A hash of deferfuse's own sources: a changed lowering must not load old executables."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(package)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
 def _key(signature: Any) -> Optional[str]:
     text = repr(signature)
     if " at 0x" in text:
         # something in the signature has no stable text (an object's address): memory cache only
         return None
     from .. import __version__
-    salt = f"{_FORMAT}|{__version__}|{jax.__version__}|{jax.lib.__version__ if hasattr(jax.lib, '__version__') else ''}|{torch.__version__}|{jax.default_backend()}"
+    salt = f"{_FORMAT}|{__version__}|{_code_version()}|{jax.__version__}|{jax.lib.__version__ if hasattr(jax.lib, '__version__') else ''}|{torch.__version__}|{jax.default_backend()}"
     return hashlib.sha256((salt + "\n" + text).encode()).hexdigest()
 
 
@@ -56,6 +70,8 @@ def load(signature: Any) -> Optional[tuple[Any, int, list]]:
         from jax.experimental import serialize_executable
         with open(path, "rb") as f:
             payload, in_tree, out_tree, n_scalars, checks = pickle.load(f)
+        if not isinstance(checks, list):
+            raise ValueError("entry of an older format")
         executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
     except Exception as exc:  # noqa: BLE001 - a bad entry is rebuilt, never fatal
         STATS.disk_cache_errors += 1

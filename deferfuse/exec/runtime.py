@@ -8,6 +8,7 @@ floats given to ``Scalar`` parameters) are passed in, so they never change the k
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -91,7 +92,7 @@ class Program:
                 arr = jnp.asarray(arr)
                 want = dtypes_.to_jax(meta.dtype)
                 if arr.dtype != want:
-                    arr = arr.astype(want)
+                    arr = dtypes_.cast(arr, want)
                 if tuple(arr.shape) != meta.shape:
                     raise LoweringError(f"lowering {step.op} gave shape {tuple(arr.shape)}, torch gives "
                                         f"{meta.shape}{_at(step.source)}")
@@ -227,9 +228,12 @@ def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int)
 
 def _background_worker() -> None:
     while True:
-        sig, make_program, avals, n_scalars = _QUEUE.get()
+        item = _QUEUE.get()
+        if item is None:
+            return
+        sig, program, avals, n_scalars = item
         try:
-            _compile_and_store(sig, make_program(), avals, n_scalars)
+            _compile_and_store(sig, program, avals, n_scalars)
             STATS.background_compiles += 1
         except Exception as exc:  # noqa: BLE001 - the eager path keeps working
             log.warning("deferfuse: background compilation failed; this graph keeps running eagerly: %s", exc)
@@ -243,10 +247,26 @@ def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
         return
     _COMPILING.add(sig)
     if _WORKER is None or not _WORKER.is_alive():
-        # a daemon: a script that ends while a compile is under way does not wait for it
         _WORKER = threading.Thread(target=_background_worker, name="deferfuse-compile", daemon=True)
         _WORKER.start()
-    _QUEUE.put((sig, make_program, avals, n_scalars))
+        atexit.register(_stop_worker)
+    # The program is built here: the graph it reads is released once this flush is done.
+    _QUEUE.put((sig, make_program(), avals, n_scalars))
+
+
+def _stop_worker() -> None:
+    """At exit: drop queued compiles and let the current one finish (killing a thread inside
+    XLA's compiler aborts the process)."""
+    worker = _WORKER
+    if worker is None or not worker.is_alive():
+        return
+    try:
+        while True:
+            _QUEUE.get_nowait()
+    except queue.Empty:
+        pass
+    _QUEUE.put(None)
+    worker.join()
 
 
 def _avals(leaves: list[Value]) -> tuple:

@@ -36,3 +36,16 @@ def to_torch(dtype) -> torch.dtype:
 
 def is_supported(dtype: torch.dtype) -> bool:
     return dtype in TORCH_TO_JAX
+
+
+def cast(x, dtype):
+    """``x.astype(dtype)``, keeping IEEE semantics through XLA's simplifier.
+
+    XLA rewrites ``convert(pred) * y`` as ``select(pred, y, 0)``, which turns ``False * NaN`` into
+    0 where torch gives NaN.  Converting a bool through uint8 keeps the multiply a multiply.
+    """
+    x = jnp.asarray(x)
+    dtype = jnp.dtype(dtype)
+    if x.dtype == jnp.bool_ and dtype != jnp.bool_:
+        x = x.astype(jnp.uint8)
+    return x.astype(dtype)

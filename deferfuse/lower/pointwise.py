@@ -94,7 +94,7 @@ def _is_int(dt) -> bool:
 def _as(dt, *xs):
     """Arrays and Python/traced scalars as arrays of dtype ``dt``."""
     # (not getattr(x, "dtype", None) == dt: numpy reads None as float64)
-    out = [x if hasattr(x, "dtype") and x.dtype == dt else jnp.asarray(x).astype(dt) for x in xs]
+    out = [x if hasattr(x, "dtype") and x.dtype == dt else _dtypes.cast(x, dt) for x in xs]
     return out[0] if len(out) == 1 else out
 
 
@@ -132,7 +132,7 @@ def _convert(x, dt):
     x = jnp.asarray(x)
     dt = jnp.dtype(dt)
     if not (_X86 and _is_float(x.dtype) and _is_int(dt)):
-        return x.astype(dt)
+        return _dtypes.cast(x, dt)
     wide = jnp.int64 if dt.itemsize == 8 or dt == jnp.uint32 else jnp.int32
     info = jnp.iinfo(wide)
     xf = x.astype(jnp.float32) if x.dtype in _REDUCED_FLOATS else x

@@ -12,7 +12,9 @@ to the dtypes torch inferred (``ctx.out``) by the caller, so a rule may return a
 
 A checker is called at record time as ``check(ctx)`` (``ctx`` without arrays) and returns None
 when the rule handles this call, or a short reason string when it does not; the op then goes to a
-decomposition or to an eager fallback.  Checkers are cached per (op, input metadata).
+decomposition or to an eager fallback.  Checkers are cached per (op, input metadata).  A checker
+may also raise torch's own exception for a call that torch's meta kernel accepts but its CPU
+kernel rejects (it then runs at record time, on the user's line, with strict's error type).
 """
 
 from __future__ import annotations
