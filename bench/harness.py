@@ -12,6 +12,7 @@ others go on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.metadata
@@ -21,10 +22,11 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -39,8 +41,15 @@ class Candidate:
 
     ``run`` makes one complete call and returns its output; the output must be computed when
     ``run`` returns (a JAX candidate blocks until ready, a deferred one has left its block).
+    ``check_run`` makes the call whose output is compared with the reference's, after warm-up
+    (so a runtime that starts on a slower path is checked on the path we time); a workload that
+    updates its inputs in place passes one that runs on fresh inputs.  Default: ``run``.
     ``unavailable`` says why the candidate could not be built; ``run`` is then None.
     ``failure_label`` is what the table shows when the first call raises.
+    ``is_warm``, polled between warm-up calls (outside any timed region), says whether the
+    candidate has reached its steady state; until then warm-up goes on, up to
+    ``Budget.max_warmup_seconds`` (a runtime that compiles in the background runs its first
+    calls another way, and those are not what we time).
     """
 
     name: str
@@ -48,6 +57,8 @@ class Candidate:
     check: bool = True
     unavailable: str | None = None
     failure_label: str = "failed"
+    is_warm: Callable[[], bool] | None = None
+    check_run: Callable[[], Any] | None = None
 
 
 @dataclasses.dataclass
@@ -57,6 +68,8 @@ class Timing:
     reason: str = ""
     first_ms: float | None = None
     samples_ms: list[float] = dataclasses.field(default_factory=list)
+    warmup_calls: int = 0
+    warning: str = ""  # shown as a footnote: the number stands, but something was off
 
     @property
     def timed(self) -> bool:
@@ -73,7 +86,8 @@ class Timing:
     def as_dict(self, reference_median: float | None) -> dict[str, Any]:
         median = self.median_ms
         ratio = median / reference_median if median is not None and reference_median else None
-        return {"status": self.status, "reason": self.reason, "first_ms": self.first_ms,
+        return {"status": self.status, "reason": self.reason, "warning": self.warning,
+                "first_ms": self.first_ms, "warmup_calls": self.warmup_calls,
                 "min_ms": self.min_ms, "median_ms": median,
                 "median_over_strict": ratio, "samples_ms": self.samples_ms}
 
@@ -99,12 +113,17 @@ class Result:
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """How long to spend on one workload: the timed rounds stop near ``seconds`` of total
-    run time, but never fewer than ``min_rounds`` nor more than ``max_rounds``."""
+    run time, but never fewer than ``min_rounds`` nor more than ``max_rounds``.  Each candidate
+    gets ``warmup`` untimed calls after its first, more while it says it is not yet warm, up
+    to ``max_warmup_seconds``.  When one round takes so long that ``min_rounds`` would exceed
+    ``slow_factor`` times ``seconds``, fewer rounds run (at least two)."""
 
     seconds: float = 2.0
     warmup: int = 2
     min_rounds: int = 5
     max_rounds: int = 50
+    max_warmup_seconds: float = 30.0
+    slow_factor: float = 8.0
 
 
 def short_reason(exc: BaseException) -> str:
@@ -175,19 +194,17 @@ def compare(candidates: list[Candidate], budget: Budget, *, rtol: float = 1e-4,
         try:
             if on_first_call is not None:
                 on_first_call(candidate.name)
-            timing.first_ms, output = _timed_call(candidate.run)
-            # Compare at once: a later in-place run would change what the first one returned.
+            timing.first_ms, _ = _timed_call(candidate.run)
+            _warm_up(candidate, timing, budget)
             if candidate.check:
-                flat = to_torch_list(output)
+                # Flattened copies at once: a later in-place run would change them.
+                flat = to_torch_list((candidate.check_run or candidate.run)())
                 if reference_output is None:
                     reference_output = flat
                 else:
                     mismatch = compare_outputs(reference_output, flat, rtol, atol)
                     if mismatch is not None:
                         timing.status, timing.reason = "mismatch", mismatch
-            del output
-            for _ in range(budget.warmup):
-                candidate.run()
         except Exception as exc:  # a candidate's failure is a result, not a crash
             timing.status = candidate.failure_label
             timing.reason = short_reason(exc)
@@ -205,6 +222,9 @@ def compare(candidates: list[Candidate], budget: Budget, *, rtol: float = 1e-4,
         round_ms += elapsed_ms
     rounds = int(budget.seconds * 1e3 / max(round_ms, 1e-3))
     rounds = max(budget.min_rounds, min(budget.max_rounds, rounds))
+    # A pathologically slow candidate may cut the rounds below min_rounds, never below 2.
+    ceiling = int(budget.seconds * budget.slow_factor * 1e3 / max(round_ms, 1e-3))
+    rounds = max(2, min(rounds, ceiling))
 
     gc.collect()
     gc_was_enabled = gc.isenabled()
@@ -225,6 +245,22 @@ def compare(candidates: list[Candidate], budget: Budget, *, rtol: float = 1e-4,
         if gc_was_enabled:
             gc.enable()
     return timings
+
+
+def _warm_up(candidate: Candidate, timing: Timing, budget: Budget) -> None:
+    deadline = time.perf_counter() + budget.max_warmup_seconds
+    for _ in range(budget.warmup):
+        candidate.run()
+        timing.warmup_calls += 1
+    if candidate.is_warm is None:
+        return
+    while not candidate.is_warm():
+        if time.perf_counter() > deadline:
+            timing.warning = (f"not warm after {timing.warmup_calls} warm-up calls "
+                              f"({budget.max_warmup_seconds:.0f} s): timed as it was")
+            return
+        candidate.run()
+        timing.warmup_calls += 1
 
 
 def machine_info() -> dict[str, Any]:
@@ -270,6 +306,26 @@ def _git_commit() -> str | None:
     if commit.returncode != 0:
         return None
     return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+@contextlib.contextmanager
+def private_executable_cache() -> Iterator[str]:
+    """Run with a fresh, empty deferfuse on-disk executable cache, so first-call times mean a
+    real compile and nothing left by another version of the code is loaded.  A folder the user
+    chose with DEFERFUSE_CACHE_DIR is respected.  Must be entered before deferfuse is imported:
+    its settings are read from the environment once."""
+    variable = "DEFERFUSE_CACHE_DIR"
+    if variable in os.environ:
+        yield os.environ[variable]
+        return
+    if "deferfuse" in sys.modules:
+        raise RuntimeError("private_executable_cache() entered after deferfuse was imported")
+    with tempfile.TemporaryDirectory(prefix="deferfuse-bench-cache-") as folder:
+        os.environ[variable] = folder
+        try:
+            yield folder
+        finally:
+            del os.environ[variable]
 
 
 def busy_machine_warning() -> str | None:

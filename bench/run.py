@@ -16,7 +16,8 @@ import argparse
 import sys
 import time
 
-from bench.harness import Budget, Result, busy_machine_warning, machine_info, save_results
+from bench.harness import (Budget, Result, busy_machine_warning, machine_info,
+                           private_executable_cache, save_results)
 from bench.workloads import DeferProbe, all_specs, run_cold_start, run_spec
 
 COLUMNS = ("strict", "defer", "jax", "compile", "floor")
@@ -47,13 +48,15 @@ def _cell(result: Result, column: str) -> str:
     if timing.median_ms is None:
         return SHORT_STATUS.get(timing.status, timing.status)
     text = f"{timing.median_ms:.3f}" if timing.median_ms < 10 else f"{timing.median_ms:.1f}"
-    return text + ("!" if timing.status == "mismatch" else "")
+    return (text + ("!" if timing.status == "mismatch" else "")
+            + ("*" if timing.warning else ""))
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> str:
     if numerator is None or denominator is None or denominator == 0:
         return "-"
-    return f"{numerator / denominator:.2f}x"
+    ratio = numerator / denominator
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.3f}x"
 
 
 def format_table(results: list[Result]) -> str:
@@ -77,13 +80,16 @@ def format_table(results: list[Result]) -> str:
 def format_notes(results: list[Result]) -> str:
     lines = ["speed-up = strict median / defer median (above 1x: defer is faster); "
              "defer/jax = defer median / jax median (1x: we match hand-written JAX).",
-             "'!' = output disagrees with strict; n/a = not available; FAIL = raised "
-             "(reasons below)."]
+             "'!' = output disagrees with strict; '*' = see the warning below; "
+             "n/a = not available; FAIL = raised (reasons below)."]
     reasons: dict[str, list[str]] = {}
     for result in results:
         for name, timing in result.timings.items():
             if timing.status != "ok":
                 key = f"{name} {timing.status}: {timing.reason}"
+                reasons.setdefault(key, []).append(f"{result.workload} {result.size}")
+            if timing.warning:
+                key = f"{name} warning: {timing.warning}"
                 reasons.setdefault(key, []).append(f"{result.workload} {result.size}")
     for key, where in reasons.items():
         lines.append(f"  {key}  [{', '.join(where[:4])}{', ...' if len(where) > 4 else ''}]")
@@ -95,7 +101,9 @@ def format_notes(results: list[Result]) -> str:
                 f"  {label}: defer recorded {stats['ops_recorded_per_call']:.0f} ops/call, "
                 f"{stats['executions_per_call']:.2f} executions/call, "
                 f"{stats['flushes_per_call']:.2f} flushes/call {stats['flush_reasons']}, "
-                f"{stats['compiles']} compiles, {stats['cache_hits']} cache hits"
+                f"{stats['compiles']} compiles, {stats['cache_hits']} cache hits, "
+                f"{stats['cache_misses']} misses, "
+                f"{result.timings['defer'].warmup_calls} warm-up calls"
                 + (f", fallbacks {stats['fallbacks']}" if stats["fallbacks"] else ""))
         us_per_op = result.notes.get("us_per_op")
         if us_per_op:
@@ -111,14 +119,22 @@ def format_notes(results: list[Result]) -> str:
             parts = [f"{name} import {result.notes[f'{name}_import_ms']:.0f} ms + compute "
                      f"{result.notes[f'{name}_compute_ms']:.0f} ms"
                      for name in ("strict", "defer") if f"{name}_import_ms" in result.notes]
-            lines.append(f"  {label}: wall time of a fresh interpreter; " + "; ".join(parts))
+            lines.append(f"  {label}: launch to printed result; " + "; ".join(parts)
+                         + (f"; defer counters {result.notes['defer_process_stats']}"
+                            if result.notes.get("defer_process_stats") else ""))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    budget = (Budget(seconds=0.6, warmup=1, min_rounds=3, max_rounds=15) if args.quick
-              else Budget(seconds=2.5, warmup=2, min_rounds=5, max_rounds=50))
+    with private_executable_cache() as cache_dir:
+        return run(args, cache_dir)
+
+
+def run(args: argparse.Namespace, cache_dir: str) -> int:
+    budget = (Budget(seconds=0.6, warmup=1, min_rounds=3, max_rounds=15, max_warmup_seconds=10)
+              if args.quick else
+              Budget(seconds=2.5, warmup=2, min_rounds=5, max_rounds=50, max_warmup_seconds=30))
     busy = busy_machine_warning()
     if busy:
         print(busy)
@@ -145,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if want_cold:
         print("  cold-start ...", end="", flush=True)
         spec_start = time.perf_counter()
-        results.append(run_cold_start(1 if args.quick else 3, probe))
+        results.extend(run_cold_start(1 if args.quick else 3, probe))
         print(f" {time.perf_counter() - spec_start:.1f}s", flush=True)
 
     print()
@@ -154,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_notes(results))
     name = args.name or ("quick" if args.quick else "full")
     path = save_results(name, results, {"elapsed_s": time.perf_counter() - started,
-                                             "machine_at_start": machine_at_start})
+                                             "machine_at_start": machine_at_start,
+                                             "deferfuse_cache_dir": cache_dir})
     print(f"\nsaved {path.relative_to(path.parent.parent.parent)} "
           f"({time.perf_counter() - started:.0f}s in all)")
     return 0

@@ -6,12 +6,16 @@ function (our ceiling: the same computation written for XLA directly), and toler
 torch.compile (Inductor) and the memory floor (one ``copy_`` of as many bytes as the inputs).
 
 Inputs come from a seeded generator, so every candidate starts from equal values; a workload
-that mutates its inputs (the optimizer step) gets a fresh copy per candidate.
+that mutates its inputs (the optimizer step) builds a separate set for each candidate, and its
+output check runs on yet another fresh set after warm-up.
+
+``run_cold_start`` is the odd one out: it times fresh interpreters, launch to first result.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from bench.harness import Budget, Candidate, Result, Timing, compare, short_reason
@@ -150,12 +155,18 @@ def adamw_step_jax(params, grads, exp_avgs, exp_avg_sqs, bias_correction1, bias_
     return new_params, new_ms, new_vs
 
 
-def adamw_jax_candidate(inputs: tuple) -> Candidate:
+@functools.cache
+def _adamw_step_jitted():
+    import jax
+    return jax.jit(adamw_step_jax, donate_argnums=(0, 2, 3))
+
+
+def adamw_jax_runner(inputs: tuple) -> Callable[[], Any]:
     """jax.jit of the AdamW step, the state donated back so XLA may update it in place."""
     import jax
     import jax.numpy as jnp
     params, grads, exp_avgs, exp_avg_sqs, step = inputs
-    jitted = jax.jit(adamw_step_jax, donate_argnums=(0, 2, 3))
+    jitted = _adamw_step_jitted()
     convert = lambda tensors: [jnp.asarray(t.numpy()) for t in tensors]  # noqa: E731
     state = {"params": convert(params), "m": convert(exp_avgs), "v": convert(exp_avg_sqs)}
     jax_grads = convert(grads)
@@ -167,7 +178,7 @@ def adamw_jax_candidate(inputs: tuple) -> Candidate:
         state["params"], state["m"], state["v"] = jax.block_until_ready(new)
         return new
 
-    return Candidate("jax", run)
+    return run
 
 
 def chained_ops(x, count: int = 200):
@@ -188,12 +199,14 @@ class Spec:
     torch_fn: Callable[..., Any]
     make_inputs: Callable[[], tuple]  # seeded: equal values on every call
     jax_fn: Callable[..., Any] | None = None
-    # For a stateful workload, builds the JAX candidate from that candidate's own inputs.
-    jax_builder: Callable[[tuple], Candidate] | None = None
+    # For a stateful workload: makes the JAX call from that candidate's own torch inputs.
+    jax_runner: Callable[[tuple], Callable[[], Any]] | None = None
     mutates_inputs: bool = False  # then each candidate gets its own make_inputs()
     rtol: float = 1e-4
     atol: float = 1e-5
     columns: tuple[str, ...] = ("strict", "defer", "jax", "compile", "floor")
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # column -> why
+    ops_per_call: int | None = None  # when set, the notes give microseconds per op
 
 
 def _generator() -> torch.Generator:
@@ -226,6 +239,7 @@ class DeferProbe:
 
     def __init__(self) -> None:
         self.calls = 0
+        self._misses_seen = 0
         self.module = None
         self.unavailable: str | None = None
         try:
@@ -239,8 +253,17 @@ class DeferProbe:
 
     def reset(self) -> None:
         self.calls = 0
+        self._misses_seen = 0
         if self.module is not None:
             self.module.reset_stats()
+
+    def is_warm(self) -> bool:
+        """True when no executable-cache miss happened since the last poll: every graph of
+        the last call ran from the cache (or needed no XLA), the steady state we time."""
+        misses = self.module.stats().get("cache_misses", 0)
+        warm = misses == self._misses_seen
+        self._misses_seen = misses
+        return warm
 
     def per_call(self) -> dict[str, Any]:
         if self.module is None or self.calls == 0:
@@ -257,54 +280,66 @@ class DeferProbe:
             "cache_hits": stats.get("cache_hits"),
             "cache_misses": stats.get("cache_misses"),
             "fallbacks": dict(stats.get("fallbacks", {}) or {}),
+            "all": stats,
         }
 
 
+def _candidate(name: str, spec: Spec, shared: tuple,
+               make_runner: Callable[[tuple], Callable[[], Any]], **options) -> Candidate:
+    """A candidate whose timed call runs ``make_runner(inputs)``; for a workload that updates
+    its inputs in place, the output check runs on fresh inputs (equal to the first call's)."""
+    run = make_runner(_inputs_for(spec, shared))
+    check_run = (lambda: make_runner(spec.make_inputs())()) if spec.mutates_inputs else None
+    return Candidate(name, run, check_run=check_run, **options)
+
+
 def strict_candidate(spec: Spec, shared: tuple) -> Candidate:
-    inputs = _inputs_for(spec, shared)
-    return Candidate("strict", lambda: spec.torch_fn(*inputs))
+    return _candidate("strict", spec, shared, lambda inputs: lambda: spec.torch_fn(*inputs))
 
 
 def defer_candidate(spec: Spec, shared: tuple, probe: DeferProbe) -> Candidate:
     if probe.module is None:
         return Candidate("defer", None, unavailable=probe.unavailable)
     deferfuse = probe.module
-    inputs = _inputs_for(spec, shared)
 
-    def run():
-        probe.calls += 1
-        with deferfuse.defer():
-            out = spec.torch_fn(*inputs)
-        return out
+    def make_runner(inputs):
+        def run():
+            probe.calls += 1
+            with deferfuse.defer():
+                out = spec.torch_fn(*inputs)
+            return out
+        return run
 
-    return Candidate("defer", run)
+    return _candidate("defer", spec, shared, make_runner, is_warm=probe.is_warm)
 
 
 def jax_candidate(spec: Spec, shared: tuple) -> Candidate:
-    if spec.jax_fn is None and spec.jax_builder is None:
+    if spec.jax_fn is None and spec.jax_runner is None:
         return Candidate("jax", None, unavailable="no JAX version of this workload")
     try:
         import jax
         import jax.numpy as jnp
     except Exception as exc:
         return Candidate("jax", None, unavailable=short_reason(exc))
-    if spec.jax_builder is not None:
-        return spec.jax_builder(_inputs_for(spec, shared))
-    # Converted once, outside the timed region.
-    jax_inputs = [jnp.asarray(t.numpy()) for t in shared]
+    if spec.jax_runner is not None:
+        return _candidate("jax", spec, shared, spec.jax_runner)
     jitted = jax.jit(spec.jax_fn)
-    return Candidate("jax", lambda: jax.block_until_ready(jitted(*jax_inputs)))
+
+    def make_runner(inputs):
+        jax_inputs = [jnp.asarray(t.numpy()) for t in inputs]  # once, outside the timed call
+        return lambda: jax.block_until_ready(jitted(*jax_inputs))
+
+    return _candidate("jax", spec, shared, make_runner)
 
 
 def compile_candidate(spec: Spec, shared: tuple) -> Candidate:
     try:
-        import torch._dynamo
         torch._dynamo.reset()
         compiled = torch.compile(spec.torch_fn, dynamic=False)
     except Exception as exc:
         return Candidate("compile", None, unavailable=short_reason(exc))
-    inputs = _inputs_for(spec, shared)
-    return Candidate("compile", lambda: compiled(*inputs), failure_label="unavailable")
+    return _candidate("compile", spec, shared, lambda inputs: lambda: compiled(*inputs),
+                      failure_label="unavailable")
 
 
 def floor_candidate(spec: Spec, shared: tuple) -> Candidate:
@@ -323,7 +358,8 @@ def candidates(spec: Spec, probe: DeferProbe) -> list[Candidate]:
         "compile": lambda: compile_candidate(spec, shared),
         "floor": lambda: floor_candidate(spec, shared),
     }
-    return [builders[column]() for column in spec.columns]
+    return [Candidate(column, None, unavailable=spec.left_out[column])
+            if column in spec.left_out else builders[column]() for column in spec.columns]
 
 
 def run_spec(spec: Spec, budget: Budget, probe: DeferProbe, verbose: bool = False) -> Result:
@@ -338,15 +374,10 @@ def run_spec(spec: Spec, budget: Budget, probe: DeferProbe, verbose: bool = Fals
     result.notes["first_call_ms"] = first_calls
     if "defer" in timings and probe.calls:
         result.notes["defer_stats"] = probe.per_call()
-    if spec.name == "per-op":
-        ops = 200
-        result.notes["us_per_op"] = {name: t.median_ms * 1e3 / ops
+    if spec.ops_per_call:
+        result.notes["us_per_op"] = {name: t.median_ms * 1e3 / spec.ops_per_call
                                      for name, t in timings.items() if t.median_ms is not None}
-    try:
-        import torch._dynamo
-        torch._dynamo.reset()
-    except Exception:
-        pass
+    torch._dynamo.reset()  # drop this workload's compiled code before the next one
     return result
 
 
@@ -405,16 +436,23 @@ def adamw_spec(count: int = 50, advance_step: bool = False) -> Spec:
         exp_avgs = [_randn(g, *shape, scale=1e-3) for _ in range(count)]
         exp_avg_sqs = [_randn(g, *shape, scale=1e-3).abs() for _ in range(count)]
         return (params, grads, exp_avgs, exp_avg_sqs, StepCounter(10, advance_step))
+    left_out = {}
+    if advance_step:
+        # Dynamo guards on the Python int step, so every call recompiles (about 10 s each on
+        # 2 cores): too slow to time here, and not what torch.compile users do (they keep the
+        # step in a tensor).
+        left_out["compile"] = "left out: recompiles on every new Python-int step"
     name = "adamw-stepping" if advance_step else "adamw"
     return Spec(name, f"{count}x64x1024", adamw_step, make_inputs,
-                jax_builder=adamw_jax_candidate, mutates_inputs=True, rtol=1e-4, atol=1e-6)
+                jax_runner=adamw_jax_runner, mutates_inputs=True, rtol=1e-4, atol=1e-6,
+                left_out=left_out)
 
 
 def per_op_spec() -> Spec:
     def make_inputs():
         return (_randn(_generator(), 64, 64),)
     return Spec("per-op", "200 ops 64x64", chained_ops, make_inputs,
-                columns=("strict", "defer"))
+                columns=("strict", "defer"), ops_per_call=200)
 
 
 GELU_SIZES_FULL = (10, 14, 18, 20, 22, 24)
@@ -442,57 +480,110 @@ x = torch.linspace(-3.0, 3.0, 1 << 20)
     y = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 total = float(y.sum())
 done = time.perf_counter()
-print(json.dumps({{"result": total, "import_ms": (imported - start) * 1e3,
-                  "compute_ms": (done - imported) * 1e3}}))
+report = {{"result": total, "import_ms": (imported - start) * 1e3,
+          "compute_ms": (done - imported) * 1e3}}
+{stats_line}
+print(json.dumps(report), flush=True)
 """
 
 
 def _cold_script(defer: bool) -> str:
     if defer:
-        return _COLD_SCRIPT.format(import_line="import deferfuse",
-                                   block_line="with deferfuse.defer():")
-    return _COLD_SCRIPT.format(import_line="", block_line="if True:")
+        return _COLD_SCRIPT.format(
+            import_line="import deferfuse", block_line="with deferfuse.defer():",
+            stats_line="report['stats'] = {k: v for k, v in deferfuse.stats().items() "
+                       "if isinstance(v, int) and v}")
+    return _COLD_SCRIPT.format(import_line="", block_line="if True:", stats_line="")
 
 
-def _cold_run(defer: bool) -> tuple[float, dict[str, Any]]:
+@dataclasses.dataclass
+class ColdRun:
+    first_result_ms: float  # from launching the interpreter to reading its printed result
+    report: dict[str, Any]
+    exit_problem: str = ""  # the process misbehaved after printing its result
+
+
+def _cold_run(defer: bool, cache_dir: str | None, **settings: str) -> ColdRun:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if cache_dir is not None:
+        env["DEFERFUSE_CACHE_DIR"] = cache_dir
+    env.update({"DEFERFUSE_" + name.upper(): value for name, value in settings.items()})
     start = time.perf_counter()
-    completed = subprocess.run([sys.executable, "-c", _cold_script(defer)], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall_ms = (time.perf_counter() - start) * 1e3
-    if completed.returncode != 0:
-        lines = completed.stderr.strip().splitlines() or ["(no stderr)"]
-        raise RuntimeError(f"exit {completed.returncode}: {lines[-1][:200]}")
-    return wall_ms, json.loads(completed.stdout.strip().splitlines()[-1])
+    process = subprocess.Popen([sys.executable, "-c", _cold_script(defer)], cwd=REPO_ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    line = process.stdout.readline()  # the script prints exactly one line, its result
+    first_result_ms = (time.perf_counter() - start) * 1e3
+    try:
+        rest, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        rest, stderr = process.communicate()
+    last_error = (stderr.strip().splitlines() or ["(no stderr)"])[-1][:200]
+    if not line.strip():
+        raise RuntimeError(f"exit {process.returncode} with no result: {last_error}")
+    problem = f"exit {process.returncode} after the result: {last_error}" \
+        if process.returncode != 0 else ""
+    return ColdRun(first_result_ms, json.loads(line), problem)
 
 
-def run_cold_start(repeats: int, probe: DeferProbe) -> Result:
-    """Time to first result in a fresh process, strict vs defer, interleaved."""
-    timings = {"strict": Timing("strict", "ok"), "defer": Timing("defer", "ok")}
+def run_cold_start(repeats: int, probe: DeferProbe) -> list[Result]:
+    """Time to first result in a fresh process, strict vs defer, interleaved; defer both with
+    an empty executable cache and with the one an earlier process left on disk."""
+    import tempfile
+
+    variants = {"empty cache": "defer-empty", "warm disk cache": "defer-warm"}
+    timings = {name: Timing(name, "ok") for name in ("strict", *variants.values())}
     if probe.module is None:
-        timings["defer"] = Timing("defer", "unavailable", probe.unavailable or "")
-    details: dict[str, list] = {"strict": [], "defer": []}
-    for _ in range(repeats):
-        for name, timing in timings.items():
-            if timing.status != "ok":
-                continue
+        for name in variants.values():
+            timings[name] = Timing(name, "unavailable", probe.unavailable or "")
+    reports: dict[str, list[dict]] = {name: [] for name in timings}
+    with tempfile.TemporaryDirectory(prefix="deferfuse-bench-") as scratch:
+        warm_dir = os.path.join(scratch, "warm")
+        if probe.module is not None:
+            # Untimed: fills the warm cache.  It compiles at first sight and in the foreground,
+            # so the executable is on disk before the process ends.
             try:
-                wall_ms, report = _cold_run(defer=(name == "defer"))
+                priming = _cold_run(True, warm_dir, background_compile="0",
+                                    eager_first_runs="0")
+                if not priming.report.get("stats", {}).get("disk_cache_writes"):
+                    timings["defer-warm"].warning = (
+                        "the priming process wrote nothing to the disk cache: "
+                        f"{priming.report.get('stats')}")
             except Exception as exc:
-                timing.status, timing.reason = "failed", short_reason(exc)
-                continue
-            timing.samples_ms.append(wall_ms)
-            details[name].append(report)
-    strict_results = {d["result"] for d in details["strict"]}
-    defer_results = {d["result"] for d in details["defer"]}
-    if strict_results and defer_results:
-        want, got = next(iter(strict_results)), next(iter(defer_results))
-        if not math.isclose(want, got, rel_tol=1e-4, abs_tol=1e-2):
-            timings["defer"].status = "mismatch"
-            timings["defer"].reason = f"sum {got} vs strict {want}"
-    result = Result("cold-start", "gelu 2^20, new process", timings)
-    for name, reports in details.items():
-        if reports:
-            result.notes[f"{name}_import_ms"] = min(r["import_ms"] for r in reports)
-            result.notes[f"{name}_compute_ms"] = min(r["compute_ms"] for r in reports)
-    return result
+                timings["defer-warm"] = Timing("defer-warm", "failed", short_reason(exc))
+        for repeat in range(repeats):
+            for name, timing in timings.items():
+                if timing.status != "ok":
+                    continue
+                cache_dir = {"defer-empty": os.path.join(scratch, f"empty-{repeat}"),
+                             "defer-warm": warm_dir}.get(name)
+                try:
+                    run = _cold_run(name != "strict", cache_dir)
+                except Exception as exc:
+                    timing.status, timing.reason = "failed", short_reason(exc)
+                    continue
+                timing.samples_ms.append(run.first_result_ms)
+                reports[name].append(run.report)
+                if run.exit_problem and run.exit_problem not in timing.warning:
+                    timing.warning = "; ".join(filter(None, (timing.warning, run.exit_problem)))
+
+    results = []
+    strict_sums = {r["result"] for r in reports["strict"]}
+    for label, name in variants.items():
+        defer = dataclasses.replace(timings[name], name="defer")
+        for report in reports[name]:
+            if strict_sums and not math.isclose(next(iter(strict_sums)), report["result"],
+                                                rel_tol=1e-4, abs_tol=1e-2):
+                defer.status = "mismatch"
+                defer.reason = f"sum {report['result']} vs strict {next(iter(strict_sums))}"
+        result = Result("cold-start", f"new process, {label}",
+                        {"strict": timings["strict"], "defer": defer})
+        for key, runs in (("strict", reports["strict"]), ("defer", reports[name])):
+            if runs:
+                result.notes[f"{key}_import_ms"] = min(r["import_ms"] for r in runs)
+                result.notes[f"{key}_compute_ms"] = min(r["compute_ms"] for r in runs)
+        if reports[name]:
+            result.notes["defer_process_stats"] = reports[name][-1].get("stats", {})
+        results.append(result)
+    return results
