@@ -83,6 +83,9 @@ _declare("eager_first_runs", int, 1,
          "executable is used; 0 compiles at first sight.  always_compile overrides.")
 _declare("background_compile", bool, True,
          "Compile new signatures on a background thread, so an eager run never waits for XLA.")
+_declare("autotune_engine", bool, True,
+         "Time a new graph's eager runs against its first XLA runs and keep it eager when torch's "
+         "kernels are faster (always_compile overrides).")
 _declare("explain_history", int, 16, "How many recent flush plans deferfuse.explain() keeps.")
 _declare("check_nans", bool, False,
          "In debug mode, raise at the first op whose output holds a NaN or Inf that its inputs "

@@ -10,7 +10,8 @@ class Stats:
     __slots__ = ("ops_recorded", "flushes", "executions", "compiles", "cache_hits", "cache_misses",
                  "fallbacks", "fallback_reasons", "decompositions", "eager_replays",
                  "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
-                 "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles")
+                 "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
+                 "eager_chosen")
 
     def __init__(self) -> None:
         self.reset()
@@ -34,6 +35,7 @@ class Stats:
         self.disk_cache_writes = 0
         self.disk_cache_errors = 0
         self.background_compiles = 0
+        self.eager_chosen = 0
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -92,3 +92,24 @@ def test_background_compile_never_blocks_and_is_used_later():
     s = deferfuse.stats()
     assert s["background_compiles"] == 1 and s["executions"] == 1
     torch.testing.assert_close(first, second)
+
+
+def test_engine_autotune_keeps_faster_eager_graphs_eager(monkeypatch):
+    """A signature whose eager runs beat its XLA runs stays eager; results stay right."""
+    from deferfuse.exec import runtime
+    x = torch.randn(32, 16)
+    deferfuse.reset_stats()
+    # make XLA look slow: every XLA run reports a long time
+    real = runtime._observe_xla_time
+    monkeypatch.setattr(runtime, "_observe_xla_time", lambda sig, seconds: real(sig, seconds + 10.0))
+    with deferfuse.config.override(always_compile=False, eager_first_runs=1, background_compile=False,
+                                   cache_dir="", autotune_engine=True):
+        results = []
+        for _ in range(7):
+            with deferfuse.defer():
+                results.append(torch.softmax(x * 2.5, dim=-1))
+    s = deferfuse.stats()
+    assert s["eager_chosen"] == 1
+    assert s["executions"] == 3          # the three timed XLA runs, then eager
+    for r in results:
+        torch.testing.assert_close(r, torch.softmax(x * 2.5, dim=-1))

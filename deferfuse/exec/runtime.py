@@ -12,6 +12,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 from typing import Any, Optional, Sequence
 
 import jax
@@ -306,8 +307,9 @@ def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = Non
     if group_record is not None:
         group_record.signature = sig
     compiled = lookup(sig, make_program, leaves, len(scalars))
-    if compiled is None:
+    if compiled is None or _CHOICE.get(sig) is _EAGER_IS_FASTER:
         return None
+    started = time.perf_counter()
     with _x64(), _profile("deferfuse.execute"):
         inputs = [interop.to_jax(v.result) for v in leaves]
         results, failed, details = compiled.executable(inputs, np.asarray(scalars, dtype=np.float64))
@@ -316,7 +318,42 @@ def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = Non
     STATS.executions += 1
     if compiled.checks:
         _raise_failed_checks(np.asarray(failed), np.asarray(details), compiled.checks, nodes)
-    return [interop.to_torch(r) for r in results]
+    out = [interop.to_torch(r) for r in results]
+    _observe_xla_time(sig, time.perf_counter() - started)
+    return out
+
+
+# Engine choice per signature: XLA's fused code is usually faster, but for some graphs torch's
+# hand-written kernels win (a lone softmax or layer norm on a CPU).  The eager runs of the first
+# tier and the first XLA runs are timed; if eager was clearly faster, the signature stays eager.
+_EAGER_IS_FASTER = object()
+_EAGER_SECONDS: dict[Any, float] = {}
+_XLA_SECONDS: dict[Any, list[float]] = {}
+_CHOICE: dict[Any, object] = {}
+_XLA_SAMPLES = 3
+
+
+def observe_eager_time(sig: Any, seconds: float) -> None:
+    if sig is not None:
+        _EAGER_SECONDS[sig] = min(seconds, _EAGER_SECONDS.get(sig, seconds))
+
+
+def _observe_xla_time(sig: Any, seconds: float) -> None:
+    if sig in _CHOICE or sig not in _EAGER_SECONDS or not config.get("autotune_engine") \
+            or config.get("always_compile"):
+        return
+    samples = _XLA_SECONDS.setdefault(sig, [])
+    samples.append(seconds)
+    if len(samples) < _XLA_SAMPLES:
+        return
+    if min(samples) > 1.1 * _EAGER_SECONDS[sig]:
+        _CHOICE[sig] = _EAGER_IS_FASTER
+        STATS.eager_chosen += 1
+        log.info("deferfuse: torch's kernels ran a graph faster than XLA (%.3f ms vs %.3f ms); "
+                 "it will run eagerly", _EAGER_SECONDS[sig] * 1e3, min(samples) * 1e3)
+    else:
+        _CHOICE[sig] = None
+    del _XLA_SECONDS[sig]
 
 
 def _raise_failed_checks(failed: np.ndarray, details: np.ndarray, checks: list[tuple[int, type, str]],
@@ -411,10 +448,15 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
             results = execute_eager(group.nodes, group.outputs)
             record.ran(group, "eager replay")
         else:
-            results = _execute_xla_safely(group.nodes, group.outputs, record.groups[_index_of(record, group)])
+            group_record = record.groups[_index_of(record, group)]
+            results = _execute_xla_safely(group.nodes, group.outputs, group_record)
             if results is None:
+                faster = _CHOICE.get(group_record.signature) is _EAGER_IS_FASTER
+                started = time.perf_counter()
                 results = execute_eager(group.nodes, group.outputs)
-                record.ran(group, "eager (compiling)")
+                if not faster:
+                    observe_eager_time(group_record.signature, time.perf_counter() - started)
+                record.ran(group, "eager (faster than xla)" if faster else "eager (compiling)")
             else:
                 record.ran(group, "xla")
         for v, r in zip(group.outputs, results):
@@ -442,3 +484,6 @@ def clear_cache() -> None:
     """Forget compiled executables held in memory (the disk cache stays)."""
     _EXECUTABLES.clear()
     _SEEN.clear()
+    _CHOICE.clear()
+    _EAGER_SECONDS.clear()
+    _XLA_SECONDS.clear()
