@@ -16,6 +16,7 @@ eagerly after flushing their inputs (counted in stats().fallbacks).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -23,6 +24,7 @@ import weakref
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .. import config
@@ -48,9 +50,12 @@ _epochs = itertools.count()
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["deferfuse"]))
 
 
+@contextlib.contextmanager
 def no_dispatch():
-    """Run torch ops on real tensors without any dispatch mode intercepting them."""
-    return _disable_current_modes()
+    """Run torch ops on real tensors with no dispatch or function mode intercepting them (our own
+    machinery must not be recorded, nor trigger the plain-read write-backs)."""
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
 
 
 def user_source() -> Optional[str]:
@@ -216,7 +221,7 @@ class Recorder:
             # Reaches us only from inside a decomposition (autograd handles it above us
             # otherwise).  Its own decomposition says what it really is: reshape is a view or
             # a copy depending on strides, which its schema cannot say.
-            with self.mode:
+            with self.mode.recording():
                 result = func.decompose(*args, **kwargs)
             if result is not NotImplemented:
                 STATS.ops_recorded -= 1
@@ -258,14 +263,20 @@ class Recorder:
         decomposition = _decomposition(func)
         if decomposition is not None:
             STATS.decompositions[str(func)] += 1
-            with self.mode:
+            with self.mode.recording():
                 return decomposition(*args, **kwargs)
         reason = FallbackReason.NO_LOWERING if entry is None or entry.reason == "no lowering" else FallbackReason.CHECK_FAILED
         return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, reason)
 
     def record_view(self, func, info, args, kwargs) -> Any:
-        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         base = args[0]
+        if not isinstance(base, DeferredTensor) and not any(
+                isinstance(t, DeferredTensor) for t in _tensors_in(args[1:], kwargs)):
+            # A view of a plain tensor is metadata only: make the real view now.  Its reads and
+            # writes still go through the storage's state, and code that reads memory directly
+            # (numpy(), C extensions) gets a real tensor rather than a data-less wrapper.
+            return func(*args, **kwargs)
+        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
         if any(o.dtype != state.dtype for o in entry.tensor_outs):
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
@@ -540,6 +551,40 @@ def _restructure(info, outs: list) -> Any:
     return list(outs) if info.returns == "list" else tuple(outs)
 
 
+# Tensor methods that read a plain tensor's memory without going through aten dispatch.  A user
+# tensor written inside the context has its new contents pending; these must see them.
+_PLAIN_READS: dict[Any, FlushReason] = {
+    torch.Tensor.tolist: FlushReason.TOLIST,
+    torch.Tensor.numpy: FlushReason.NUMPY,
+    torch.Tensor.__array__: FlushReason.NUMPY,
+    torch.Tensor.__repr__: FlushReason.REPR,
+    torch.Tensor.__format__: FlushReason.REPR,
+    torch.Tensor.data_ptr: FlushReason.DATA_PTR,
+    torch.Tensor.untyped_storage: FlushReason.DATA_PTR,
+    torch.Tensor.__dlpack__: FlushReason.DATA_PTR,
+    torch.Tensor.__reduce_ex__: FlushReason.SERIALIZE,
+    torch.Tensor.__deepcopy__: FlushReason.SERIALIZE,
+}
+
+
+class PlainReadMode(TorchFunctionMode):
+    """Writes pending contents back into a plain tensor before Python code reads its memory."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        reason = _PLAIN_READS.get(func)
+        if reason is not None and args and isinstance(args[0], torch.Tensor) \
+                and not isinstance(args[0], DeferredTensor):
+            state = _STATES_BY_PTR.get(args[0].untyped_storage().data_ptr())
+            if state is not None and state.contents is not None:
+                with no_dispatch():
+                    materialize_states([state], reason, self.recorder)
+        return func(*args, **(kwargs or {}))
+
+
 class DeferMode(TorchDispatchMode):
     """Intercepts aten ops and hands them to a Recorder."""
 
@@ -547,9 +592,30 @@ class DeferMode(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder or Recorder()
         self.recorder.mode = self
+        self._plain_reads = PlainReadMode(self.recorder)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.recorder.dispatch(func, args, kwargs or {})
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Re-enter only the dispatch mode, from inside __torch_dispatch__ (decompositions)."""
+        TorchDispatchMode.__enter__(self)
+        try:
+            yield
+        finally:
+            TorchDispatchMode.__exit__(self, None, None, None)
+
+    def __enter__(self):
+        result = super().__enter__()
+        self._plain_reads.__enter__()
+        return result
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            self._plain_reads.__exit__(exc_type, exc_value, traceback)
+        finally:
+            super().__exit__(exc_type, exc_value, traceback)
 
 
 def dispatch_outside_context(func, args, kwargs) -> Any:
