@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 from . import config
 from .ir import graph
-from .ir.graph import Node
 
 log = logging.getLogger("deferfuse")
 _flush_ids = itertools.count(1)

@@ -279,3 +279,14 @@ def test_inplace_metadata_ops_on_deferred_tensors():
         z = (m + 1).as_strided_((2, 2), (1, 4), 1)
         return out, y, y + 1, z * 1
     check(program, torch.randn(3), torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("program", [
+    lambda x: x.__setitem__((None, slice(None)), x),          # copy_ from a differently-shaped alias
+    lambda x: x[1:].add_(x[:-1]),                             # shifted alias
+    lambda x: x.reshape(()).div_(x, rounding_mode="trunc") if x.numel() == 1 else x[:1].reshape(()).add_(x),
+], ids=["setitem_alias", "shifted_add", "zero_dim_target"])
+def test_inplace_errors_torch_kernels_raise(program):
+    """Regression (found by the program suite): partial overlap between the written tensor and an
+    input, and an in-place result that would need a resize, raise as strict does."""
+    check(program, torch.tensor([4.0, 5.0, 6.0]))

@@ -21,7 +21,7 @@ import itertools
 import os
 import sys
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -299,9 +299,15 @@ class Recorder:
         if is_out and any(tuple(t.shape) != tuple(o.shape) for t, o in zip(targets, entry.outs) if o is not None):
             # out= that resizes its output: let torch do it
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
+        if info.pointwise or functional is aten.copy.default:
+            _check_no_partial_overlap(targets, args, kwargs)
         results = self.dispatch_functional(functional, f_args, f_kwargs)
         results = results if isinstance(results, (tuple, list)) else (results,)
         for target, result in zip(targets, results):
+            if tuple(result.shape) != tuple(target.shape):
+                # what torch's kernels say when an in-place result would need a resize
+                raise RuntimeError(f"output with shape {list(target.shape)} doesn't match the "
+                                   f"broadcast shape {list(result.shape)}")
             value, _ = self.read(result)
             self.write(target, value)
         if is_out:
@@ -495,6 +501,42 @@ def _release(nodes: list[Node]) -> None:
             node.args = ()
             node.kwargs = {}
             node.inputs = ()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] element offsets a tensor touches in its storage."""
+    low = high = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 0:
+            return (0, -1)
+        if stride >= 0:
+            high += (size - 1) * stride
+        else:
+            low += (size - 1) * stride
+    return (low, high)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(a, DeferredTensor) or isinstance(b, DeferredTensor):
+        return isinstance(a, DeferredTensor) and isinstance(b, DeferredTensor) and a._storage is b._storage
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+
+
+def _check_no_partial_overlap(targets: list, args: tuple, kwargs: dict) -> None:
+    """torch's elementwise kernels refuse to write a tensor that partially overlaps an input (the
+    same memory seen through other sizes or strides); meta kernels do not check it."""
+    for target in targets:
+        for t in _tensors_in(args, kwargs):
+            if t is target or not _same_memory(t, target):
+                continue
+            if (tuple(t.shape), t.stride(), t.storage_offset()) == (tuple(target.shape), target.stride(), target.storage_offset()):
+                continue
+            a, b = _span(t), _span(target)
+            if a[0] <= b[1] and b[0] <= a[1]:
+                raise RuntimeError(
+                    "unsupported operation: some elements of the input tensor and the written-to "
+                    "tensor refer to a single memory location. Please clone() the tensor before "
+                    "performing the operation.")
 
 
 # -- helpers over argument trees ---------------------------------------------------------------

@@ -24,7 +24,6 @@ from .. import config
 from ..errors import LoweringError
 from ..ir import graph
 from ..ir.graph import Node, Value
-from ..ir.meta import TensorMeta
 from ..lower import dtypes as dtypes_
 from ..lower.registry import _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
 from ..lower.views import internal_rule

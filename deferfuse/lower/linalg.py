@@ -19,16 +19,14 @@ Conventions:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
-from torch.utils._python_dispatch import _disable_current_modes
 
-from ..ir.meta import TensorMeta
-from .registry import LoweringContext, RuntimeScalar, lowering
+from .registry import LoweringContext, lowering, replay_on_cpu
 
 aten = torch.ops.aten
 
@@ -44,19 +42,8 @@ _MATMUL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, t
 # -- checks --------------------------------------------------------------------------------------
 
 def raise_like_cpu(ctx: LoweringContext) -> str:
-    """Replay the call on zero-filled CPU stand-ins of its tensors, so that torch raises its own
-    exception at record time.  Returns a decline reason if the CPU kernel accepts the call."""
-    def stand_in(a: Any) -> Any:
-        if isinstance(a, TensorMeta):
-            return torch.zeros((), dtype=a.dtype).expand(a.shape)
-        if isinstance(a, RuntimeScalar):
-            return a.value
-        if type(a) in (list, tuple):
-            return type(a)(stand_in(x) for x in a)
-        return a
-    with _disable_current_modes():
-        ctx.op(*stand_in(ctx.args), **{k: stand_in(v) for k, v in ctx.kwargs.items()})
-    return "the meta and CPU kernels disagree on this call"
+    """Let torch's CPU kernel raise its own exception for this call (see registry.replay_on_cpu)."""
+    return replay_on_cpu(ctx)
 
 
 def _check_matmul(ctx: LoweringContext) -> Optional[str]:

@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import math
 import platform
-import warnings
 
 import jax.numpy as jnp
 import jax.scipy.special as jax_special
 import numpy as np
 import torch
 from jax import lax
-from torch.utils._python_dispatch import _disable_current_modes
 
 from . import dtypes as _dtypes
-from .registry import RuntimeScalar, lowering, runtime_check
-from ..ir.meta import TensorMeta
+from .registry import lowering, runtime_check, replay_on_cpu
 
 aten = torch.ops.aten
 
@@ -46,28 +43,13 @@ def _dtype_reason(ctx):
     return None
 
 
-def _empty_like_meta(a):
-    if isinstance(a, TensorMeta):
-        # every dimension empty (a 0-dim tensor keeps its one element, a one)
-        return torch.ones((0,) * len(a.shape), dtype=a.dtype)
-    if isinstance(a, RuntimeScalar):
-        return a.value
-    if type(a) in (list, tuple):
-        return type(a)(_empty_like_meta(x) for x in a)
-    if isinstance(a, dict):
-        return {k: _empty_like_meta(v) for k, v in a.items()}
-    return a
-
-
 def _probe(ctx):
     """Raise what torch's CPU kernel raises for these dtypes and static arguments.  Its dtype
     checks fire even on empty tensors, which keeps the probe cheap and free of data errors
     (division by zero); empty shapes still broadcast and halve (glu)."""
     if any(m.device.type != "cpu" for m in ctx.tensor_args()):
         return
-    with _disable_current_modes(), torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ctx.op(*_empty_like_meta(ctx.args), **_empty_like_meta(ctx.kwargs))
+    replay_on_cpu(ctx, empty=True)
 
 
 def _check(ctx):

@@ -23,10 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
-from torch.utils._python_dispatch import _disable_current_modes
 
-from ..ir.meta import TensorMeta
-from .registry import LoweringContext, RuntimeScalar, lowering
+from .registry import LoweringContext, lowering, replay_on_cpu
 
 aten = torch.ops.aten
 
@@ -68,19 +66,8 @@ def _arg(ctx: LoweringContext, name: str, default: Any = None) -> Any:
 
 
 def _raise_like_cpu(ctx: LoweringContext) -> str:
-    """Replay the call on zero-filled CPU stand-ins of its tensors so that torch raises its own
-    exception here.  Returns a decline reason if the CPU kernel accepts the call after all."""
-    def stand_in(a: Any) -> Any:
-        if isinstance(a, TensorMeta):
-            return torch.zeros((), dtype=a.dtype).expand(a.shape)
-        if isinstance(a, RuntimeScalar):
-            return a.value
-        if type(a) in (list, tuple):
-            return type(a)(stand_in(x) for x in a)
-        return a
-    with _disable_current_modes():
-        ctx.op(*stand_in(ctx.args), **{k: stand_in(v) for k, v in ctx.kwargs.items()})
-    return "the meta and CPU kernels disagree on this call"
+    """Let torch's CPU kernel raise its own exception for this call (see registry.replay_on_cpu)."""
+    return replay_on_cpu(ctx)
 
 
 def _tensor_dtypes(ctx: LoweringContext) -> list[torch.dtype]:
@@ -362,6 +349,8 @@ def _check_softmax(ctx: LoweringContext) -> Optional[str]:
     x = ctx.args[0]
     if _arg(ctx, "half_to_float") and x.device.type == "cpu":
         return _raise_like_cpu(ctx)   # CPU does not support it; the meta kernel does
+    if not x.dtype.is_floating_point and x.device.type == "cpu":
+        return _raise_like_cpu(ctx)   # softmax of integers: the meta kernel allows it
     return _real_only(ctx)
 
 

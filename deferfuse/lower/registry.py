@@ -133,6 +133,32 @@ def bounds_check(index: Any, size: int, dim: int) -> None:
     runtime_check((index < lowest) | (index >= size), error, message, index)
 
 
+def replay_on_cpu(ctx: "LoweringContext", *, empty: bool = False) -> str:
+    """Replay the call on CPU stand-ins of its tensors (zeros of the same shape, expanded so they
+    cost one element; or, with ``empty``, tensors with every dim empty, for dtype-only checks) so
+    that torch raises its own exception now, on the user's line.  For checkers of calls that the
+    meta kernel accepts but the CPU kernel may reject.  Returns a decline reason if the CPU kernel
+    accepts the call after all."""
+    import warnings
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def stand_in(a: Any) -> Any:
+        if isinstance(a, TensorMeta):
+            if empty:
+                return torch.ones((0,) * len(a.shape), dtype=a.dtype)
+            return torch.zeros((), dtype=a.dtype).expand(a.shape)
+        if isinstance(a, RuntimeScalar):
+            return a.value
+        if type(a) in (list, tuple):
+            return type(a)(stand_in(x) for x in a)
+        return a
+
+    with _disable_current_modes(), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx.op(*stand_in(ctx.args), **{k: stand_in(v) for k, v in ctx.kwargs.items()})
+    return "the meta and CPU kernels disagree on this call"
+
+
 class RuntimeScalar:
     """Marks a Python float that is passed to the compiled computation at run time."""
 
