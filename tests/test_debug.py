@@ -71,9 +71,7 @@ BAD_INDICES = [
     BadIndex("embedding_negative", lambda x: F.embedding(torch.tensor([-1, 2]), x), IndexError, -1, 4, 0),
     BadIndex("embedding_bag", lambda x: F.embedding_bag(torch.tensor([1, 7]), x, torch.tensor([0])),
              RuntimeError, 7, 4, 0),
-    BadIndex("index_select", lambda x: torch.index_select(x, 1, torch.tensor([0, 5])), RuntimeError, 5, 5, 1,
-             defer_pending="defer bounds checks pending: defer raises IndexError where torch's "
-                           "index_select raises RuntimeError"),
+    BadIndex("index_select", lambda x: torch.index_select(x, 1, torch.tensor([0, 5])), RuntimeError, 5, 5, 1),
     BadIndex("gather", lambda x: torch.gather(x, 1, torch.tensor([[0, 5]] * 4)), RuntimeError, 5, 5, 1),
     BadIndex("gather_negative", lambda x: torch.gather(x, 1, torch.tensor([[0, -1]] * 4)), RuntimeError, -1, 5, 1),
     BadIndex("scatter_", lambda x: x.clone().scatter_(1, torch.tensor([[0, 5]]), 1.0), RuntimeError, 5, 5, 1),
@@ -240,8 +238,6 @@ def test_writes_that_do_not_overlap_their_inputs_run_and_match_strict(write):
     assert torch.equal(actual, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="defer overlap checks pending: defer computes the shift as if "
-                                       "the source were copied, where strict raises")
 def test_defer_rejects_dense_overlap_like_strict():
     with pytest.raises(RuntimeError):
         with deferfuse.defer():

@@ -122,7 +122,11 @@ def bounds_check(index: Any, size: int, dim: int) -> None:
     if name.startswith("_unsafe"):
         return  # torch does not check these either: callers guarantee (or mask) the range
     error = RuntimeError if name in _INDEX_ERRORS_AS_RUNTIME else IndexError
-    if name in _FLAT_INDEX_OPS:
+    if name == "index_select" and dim != 0:
+        # torch's CPU kernel checks other dims in a generic gather with its own wording
+        error = RuntimeError
+        message = f"{op}: INDICES element is out of DATA bounds, id={{value}} axis_dim={size}"
+    elif name in _FLAT_INDEX_OPS:
         message = f"{op}: out of range: tried to access index {{value}} on a tensor of {size} elements."
     elif name in _TERSE_INDEX_OPS:
         message = f"{op}: index out of range in self (index {{value}}, dimension {dim} with size {size})"
