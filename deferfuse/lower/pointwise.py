@@ -277,6 +277,12 @@ def pow_(ctx, base, exponent):
         result = jnp.select([e == 0.5, e == -0.5, e == 2, e == 3, e == -1, e == -2],
                             [jnp.sqrt(base), 1 / jnp.sqrt(base), base * base, base * base * base, 1 / base,
                              1 / (base * base)], result)
+    if jnp.issubdtype(result.dtype, jnp.floating):
+        # A negative base to a non-integer power is NaN.  Saying so explicitly also keeps XLA from
+        # rewriting log(pow(a, e)) as e * log(|a|), which would turn that NaN into a number.
+        # (C's pow gives -inf to a fractional power a signed infinity or zero, not NaN)
+        negative_finite = (base < 0) & (base > -jnp.inf)
+        result = jnp.where(negative_finite & (exponent != jnp.floor(exponent)), jnp.nan, result)
     return result
 
 
