@@ -74,7 +74,7 @@ def test_new_signature_runs_eagerly_then_compiled():
         torch.testing.assert_close(r, (x * 3.25 + 1).sin())
 
 
-def test_background_compile_never_blocks_and_is_used_later():
+def test_one_off_graph_never_compiles_and_a_repeated_one_compiles_in_background():
     import time
     from deferfuse.exec import runtime
     x = torch.randn(128)
@@ -83,15 +83,20 @@ def test_background_compile_never_blocks_and_is_used_later():
                                    cache_dir=""):
         with deferfuse.defer():
             first = (x * 1.75 - 2).cos()
-        assert deferfuse.stats()["eager_replays"] == 1
+        assert deferfuse.stats()["eager_replays"] == 1 and not runtime._COMPILING
+        assert deferfuse.stats()["compiles"] == 0          # seen once: nothing compiled
+        with deferfuse.defer():
+            second = (x * 1.75 - 2).cos()                  # seen again: compiles off the path
+        assert deferfuse.stats()["eager_replays"] == 2
         deadline = time.time() + 60
         while runtime._COMPILING and time.time() < deadline:
             time.sleep(0.05)
         with deferfuse.defer():
-            second = (x * 1.75 - 2).cos()
+            third = (x * 1.75 - 2).cos()
     s = deferfuse.stats()
     assert s["background_compiles"] == 1 and s["executions"] == 1
     torch.testing.assert_close(first, second)
+    torch.testing.assert_close(first, third)
 
 
 def test_engine_autotune_keeps_faster_eager_graphs_eager(monkeypatch):

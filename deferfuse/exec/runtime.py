@@ -289,11 +289,13 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
     if not config.get("always_compile"):
         runs = _SEEN.get(sig, 0)
         first_runs = config.get("eager_first_runs")
-        if config.get("background_compile") and first_runs > 0:
-            _schedule(sig, make_program, _avals(leaves), n_scalars)
+        if runs < first_runs:
+            # a graph seen once may never come back (a one-off script): no compile yet
             _SEEN[sig] = runs + 1
             return None
-        if runs < first_runs:
+        if config.get("background_compile") and first_runs > 0:
+            # it came back: compile it off the critical path, keep running eagerly meanwhile
+            _schedule(sig, make_program, _avals(leaves), n_scalars)
             _SEEN[sig] = runs + 1
             return None
     _SEEN.pop(sig, None)
