@@ -378,7 +378,9 @@ def _eager_internal(node: Node, args: tuple) -> torch.Tensor:
     op = node.op
     if op is graph.READ_VIEW:
         flat, meta = args
-        return torch.as_strided(flat, meta.shape, meta.stride, meta.offset).clone()
+        # a view of the flat contents: fine for the ops that read it next (outputs are
+        # cloned by execute_eager, so no result aliases memory a write-back may change)
+        return torch.as_strided(flat, meta.shape, meta.stride, meta.offset)
     if op is graph.WRITE_VIEW:
         flat, value, meta = args
         out = flat.clone()
@@ -421,6 +423,9 @@ def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -
             computed[id(v)] = t
     if count:
         STATS.eager_replays += 1
+    for v in outputs:
+        if v.result is None and v.node.op is graph.READ_VIEW:
+            computed[id(v)] = computed[id(v)].clone()
     return [v.result if v.result is not None else computed[id(v)] for v in outputs]
 
 
