@@ -16,10 +16,11 @@ import torch
 from hypothesis import strategies as st
 
 from program_model import (DTYPES, FLOATS, INTS, OPS, Guard, Index, InputSpec, Lit, Program,
-                           Step, compiled, register, render, renderer, _operand)
+                           Step, compiled, register, render, renderer, operand_source)
 
 MAX_NUMEL = 2000
 MAX_RANK = 6
+MAX_STEPS = 30
 
 # --------------------------------------------------------------------------- generator
 
@@ -211,7 +212,7 @@ OPERATOR_FORMS = ("+", "-", "*", "/", "//", "%", "**")
 
 @renderer
 def render_arith(step: Step) -> str:
-    operands = list(map(_operand, step.args))
+    operands = list(map(operand_source, step.args))
     extras = {"alpha": "", "rounding_mode": ""}
     if step.param("alpha") is not None:
         extras["alpha"] = f", alpha={render(step.param('alpha'))}"
@@ -314,9 +315,9 @@ def draw_where(g: Gen, name: str) -> bool:
 
 @renderer
 def render_clamp(step: Step) -> str:
-    a = _operand(step.args[0])
+    a = operand_source(step.args[0])
     if step.op == "clamp_tensor":
-        return f"torch.clamp({a}, {_operand(step.args[1])}, {_operand(step.args[2])})"
+        return f"torch.clamp({a}, {operand_source(step.args[1])}, {operand_source(step.args[2])})"
     bounds = ", ".join(f"{k}={render(v)}" for k, v in step.params if v is not None)
     return f"{a}.clamp_({bounds})" if step.op == "clamp_" else f"torch.clamp({a}, {bounds})"
 
@@ -342,7 +343,7 @@ def draw_clamp(g: Gen, name: str) -> bool:
 
 @renderer
 def render_cast(step: Step) -> str:
-    return f"{_operand(step.args[0])}.to({render(step.param('dtype'))})"
+    return f"{operand_source(step.args[0])}.to({render(step.param('dtype'))})"
 
 
 @register("to", render_cast)
@@ -359,7 +360,7 @@ def draw_cast(g: Gen, name: str) -> bool:
 
 @renderer
 def render_reduction(step: Step) -> str:
-    text = f"torch.{step.op}({_operand(step.args[0])}"
+    text = f"torch.{step.op}({operand_source(step.args[0])}"
     for key in ("dim", "keepdim", "dtype"):
         if step.param(key, "absent") != "absent":
             text += f", {key}={render(step.param(key))}"
@@ -523,7 +524,7 @@ def _index(g: Gen, shape: tuple) -> Index:
 
 @renderer
 def render_join(step: Step) -> str:
-    tensors = ", ".join(map(_operand, step.args))
+    tensors = ", ".join(map(operand_source, step.args))
     return f"torch.{step.op}([{tensors}], dim={step.param('dim')})"
 
 
@@ -685,8 +686,45 @@ def draw_observe(g: Gen, name: str) -> bool:
     a = g.pick()
     if a is None:
         return False
-    how = g.choose(("tolist", "item", "bool")) if a.numel == 1 else "tolist"
+    how = g.choose(("tolist", "item", "bool", "numpy") if a.numel == 1 else ("tolist", "numpy"))
     return g.run(name, (a.vid,), (("how", how),))
+
+
+DATA_DEPENDENT = {"nonzero": "torch.nonzero({0})", "masked_read": "{0}[{1}]",
+                  "index_select": "torch.index_select({0}, {dim}, {1})"}
+
+
+@register(tuple(DATA_DEPENDENT), lambda name: DATA_DEPENDENT[name])
+def draw_data_dependent(g: Gen, name: str) -> bool:
+    """Ops whose output shape depends on values: defer must flush just enough to know it."""
+    a = g.pick(lambda i: name != "index_select" or any(i.shape), exact=name == "index_select")
+    if a is None:
+        return False
+    if name == "nonzero":
+        return g.run(name, (a.vid,))
+    if name == "masked_read":
+        mask = g.pick(lambda i: i.dtype == torch.bool and i.shape == a.shape)
+        return g.run(name, (a.vid, mask.vid if mask else Guard(a.vid, "mask")))
+    dim = g.choose([d for d, size in enumerate(a.shape) if size])
+    index = g.pick(lambda i: i.integral and 0 < i.numel <= 8, exact=True)
+    if index is None:
+        return False
+    return g.run(name, (a.vid, Guard(index.vid, "index", a.shape[dim])), (("dim", dim),))
+
+
+REORDER = {"flip": "torch.flip({0}, {dims})", "roll": "torch.roll({0}, {shifts}, {dims})"}
+
+
+@register(tuple(REORDER), lambda name: REORDER[name])
+def draw_reorder(g: Gen, name: str) -> bool:
+    a = g.pick(lambda i: i.ndim >= 1, exact=True)
+    if a is None:
+        return False
+    dims = tuple(sorted({g.dim(a) % a.ndim for _ in range(g.draw(st.integers(1, 2)))}))
+    if name == "flip":
+        return g.run(name, (a.vid,), (("dims", dims),))
+    shifts = tuple(g.draw(st.integers(-6, 6)) for _ in dims)
+    return g.run(name, (a.vid,), (("shifts", shifts), ("dims", dims)))
 
 
 # --------------------------------------------------------------------------- families
@@ -715,10 +753,11 @@ FAMILIES = {
     "pointwise": Family(_weighted(x3=POINTWISE, x1=SOME_VIEWS + ("observe",)),
                         DTYPES + FLOATS),
     "reductions": Family(_weighted(x4=REDUCTIONS + ("@", "matmul"), x1=POINTWISE + SOME_VIEWS,
-                                   x2=("cat", "stack", "to")),
+                                   x2=("cat", "stack", "to") + tuple(DATA_DEPENDENT) + tuple(REORDER)),
                          DTYPES + FLOATS + FLOATS),
     "mutation": Family(_weighted(x3=ALL_VIEWS + MUTATIONS, x1=tuple(ARITH) + ("where", "sum", "to"),
-                                 x2=("observe", "t_", "unsqueeze_", "squeeze_")),
+                                 x2=("observe", "t_", "unsqueeze_", "squeeze_") + tuple(DATA_DEPENDENT)
+                                 + tuple(REORDER)),
                        DTYPES + FLOATS),
     "promotion": Family(_weighted(x4=tuple(ARITH) + tuple(COMPARE), x2=("to", "where", "clamp", "add_",
                                                                         "mul_", "fill_", "sum", "cat"),
@@ -758,7 +797,12 @@ def programs(draw: Callable, family_name: str) -> Program:
     family = FAMILIES[family_name]
     inputs = _input_specs(draw, family)
     gen = Gen(draw, family, inputs)
-    for _ in range(draw(st.integers(1, 30))):
+    # one "another step?" draw per step, as st.lists does, so that the shrinker can delete any
+    # step (with its draws) from the middle of a failing program
+    before = 0
+    for _ in range(3 * MAX_STEPS):  # a drawn op may not apply to the values at hand: draw again
+        if len(gen.steps) >= MAX_STEPS or (len(gen.steps) > before and not gen.chance(95)):
+            break
         name = draw(st.sampled_from(family.ops))
         before = len(gen.steps)
         ok = OPS[name].draw(gen, name)

@@ -32,9 +32,11 @@ class Lit:
 class Guard:
     """A tensor operand wrapped so that the program stays free of value-dependent errors and
     undefined behaviour: a nonzero divisor for integer division, a small non-negative exponent
-    for integer powers, finite in-range values before a float -> int conversion."""
+    for integer powers, finite in-range values before a float -> int conversion, in-bounds
+    positions for an index tensor (and a bool mask made from a value)."""
     vid: int
-    kind: str  # "divisor" | "exponent" | "finite"
+    kind: str  # "divisor" | "exponent" | "finite" | "index" | "mask"
+    bound: int = 0  # for "index": the size of the indexed dimension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,10 @@ def render(x: Any) -> str:
             return f"torch.where(({v} == 0) | ({v} == -1), 2, {v})"
         if x.kind == "exponent":
             return f"({v}.abs() % 4)"
+        if x.kind == "index":
+            return f"({v}.flatten().long().abs() % {x.bound})"
+        if x.kind == "mask":
+            return f"({v} > 0)"
         return f"{v}.nan_to_num(0.0, 0.0, 0.0).clamp(-1000, 1000)"
     if isinstance(x, Index):
         if not x.items:
@@ -84,7 +90,7 @@ def _render_index_item(item: Any) -> str:
     return repr(item)
 
 
-def _operand(a: Any) -> str:
+def operand_source(a: Any) -> str:
     return f"v{a}" if isinstance(a, int) and not isinstance(a, bool) else render(a)
 
 
@@ -103,7 +109,7 @@ class Step:
         if callable(template):
             expr = template(self)
         else:
-            expr = template.format(*map(_operand, self.args),
+            expr = template.format(*map(operand_source, self.args),
                                    **{k: render(v) for k, v in self.params})
         return expr if self.out is None else f"v{self.out} = {expr}"
 
@@ -185,15 +191,26 @@ class Program:
         """A standalone script: the literal inputs, then the program."""
         out = ["import torch", "import deferfuse", "nan, inf = float('nan'), float('inf')",
                "observed = []", "def _observe(t, how):",
-               "    observed.append(t.tolist() if how == 'tolist' else "
-               "t.item() if how == 'item' else bool(t))", ""]
+               "    observed.append(t.tolist() if how == 'tolist' else t.item() if how == 'item' "
+               "else t.numpy().tolist() if how == 'numpy' else bool(t))", ""]
         for i, spec in enumerate(self.inputs):
             _, base = spec.build()
             out.append(f"v{i} = torch.tensor({base.tolist()!r}, dtype={spec.dtype})"
-                       f".reshape{render(tuple(base.shape))}{spec.view_suffix()}")
+                       f".reshape({render(tuple(base.shape))}){spec.view_suffix()}")
         out.append("with deferfuse.config.override(always_compile=True), deferfuse.defer():")
         out.extend("    " + line for line in self.lines())
         return "\n".join(out)
+
+
+def observe_value(t: torch.Tensor, how: str) -> Any:
+    """What an observation step `_observe(t, how)` reads from a tensor, as a Python value."""
+    if how == "tolist":
+        return t.tolist()
+    if how == "item":
+        return t.item()
+    if how == "numpy":
+        return t.numpy().tolist()
+    return bool(t)
 
 
 @functools.lru_cache(maxsize=8192)

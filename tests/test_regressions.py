@@ -234,3 +234,30 @@ def test_inplace_mul_that_would_promote_raises(program):
     """int64.mul_(1.5) raises in strict ("result type Float can't be cast to the desired output
     type Long"), as does bool.mul_(2); defer ran them (add_, sub_ and div_ did raise)."""
     check(program, torch.tensor([68, 3]), torch.tensor([True, False]), torch.tensor([1.5, 2.5]))
+
+
+@pytest.mark.xfail(strict=True, reason="nan from 0/0 comes back as 0 or garbage after an in-place chain")
+def test_inplace_chain_through_zero_over_zero_keeps_nan():
+    """x.zero_(); x.div_(x); x.add_(0.5); x.exp_() must leave nan (0/0, then nan + 0.5, then
+    exp(nan)); defer left 0.0 or a different tiny number on each run (1.2e-27, 1.0e-35, ...),
+    which looks like a read of memory that was never written.  Without the add_ or the exp_
+    the nan survives."""
+    def program(x):
+        x.zero_()
+        x.div_(x)
+        x.add_(0.5)
+        x.exp_()
+    check(program, torch.tensor([4.0, 2.0]))
+
+
+@pytest.mark.xfail(strict=True, reason="a partial flush applies a write before a pending read of the old value")
+def test_pending_read_survives_a_boolean_mask_assignment():
+    """y = exp(x); x.add_(1); x[x > 0] = 2 on a 0-dim input: the boolean-mask assignment (a
+    data-dependent op, so a partial flush) wrote x, and the pending y was then computed from
+    the updated x (exp(5) instead of exp(4))."""
+    def program(x):
+        y = torch.exp(x)
+        x.add_(1)
+        x[x > 0] = 2
+        return y
+    check(program, torch.tensor(4.0))
