@@ -197,7 +197,6 @@ def test_boolean_mask_assignment_through_an_aliasing_mask_raises():
     check(program, torch.tensor([[True, False, True], [False, False, False]]))
 
 
-@pytest.mark.xfail(strict=True, reason="a partial flush applies a write before a pending read of the old value")
 def test_pending_read_survives_a_write_flushed_by_an_observation():
     """y = x * 2; x.mul_(0); x.sum().item(): the .item() flushed x's write but not y, which was
     then computed from the overwritten x (y == 0 instead of 4)."""
@@ -209,7 +208,6 @@ def test_pending_read_survives_a_write_flushed_by_an_observation():
     check(program, torch.tensor([2.0]))
 
 
-@pytest.mark.xfail(strict=True, reason="a partial flush applies a write before a pending read of the old value")
 def test_pending_value_is_not_recomputed_from_flushed_storage():
     """x += x; y = x * 1; x.add_(0.0); x.sum().item() on a (2, 1) input: y came out as 4 * x
     instead of 2 * x -- after the .item() flush wrote x, the pending y re-ran x + x on the
@@ -250,7 +248,6 @@ def test_inplace_chain_through_zero_over_zero_keeps_nan():
     check(program, torch.tensor([4.0, 2.0]))
 
 
-@pytest.mark.xfail(strict=True, reason="a partial flush applies a write before a pending read of the old value")
 def test_pending_read_survives_a_boolean_mask_assignment():
     """y = exp(x); x.add_(1); x[x > 0] = 2 on a 0-dim input: the boolean-mask assignment (a
     data-dependent op, so a partial flush) wrote x, and the pending y was then computed from

@@ -455,7 +455,9 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
         extra_states = []
         if recorder is not None:
             for p in recorder.pending_states():
-                if p not in states and p.contents[1].node.id in node_ids:
+                # (a storage with real memory is written back only together with every pending
+                # reader of that memory, which is not this flush's business)
+                if p not in states and p.buffer is None and p.contents[1].node.id in node_ids:
                     if p.contents[0] == "root" and not _is_plain_root(p):
                         continue
                     extra_states.append(p)
