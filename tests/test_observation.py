@@ -79,6 +79,42 @@ def test_flush_computes_only_ancestors():
     assert torch.equal(c, torch.full((4,), 2.0))
 
 
+def test_flush_takes_along_pending_work_that_shares_its_graph():
+    # b reuses a: computing a alone now would compute it again when b is read
+    x = torch.ones(4)
+    with deferfuse.defer():
+        a = x * 2
+        b = a + 1
+        unrelated = x - 1
+        a.sum().item()
+        assert deferfuse.is_materialized(b)
+        assert not deferfuse.is_materialized(unrelated)
+        before = deferfuse.stats()["executions"] + deferfuse.stats()["eager_replays"]
+        assert b.tolist() == [3.0] * 4
+        assert deferfuse.stats()["executions"] + deferfuse.stats()["eager_replays"] == before
+
+
+def test_flush_writing_back_memory_runs_its_pending_readers_first():
+    x = torch.ones(4)
+    with deferfuse.defer():
+        y = x * 2           # reads x's memory as it is now
+        x.mul_(0)
+        x.sum().item()      # writes x's new contents back into its memory
+        assert y.tolist() == [2.0] * 4
+
+
+def test_scalar_bookkeeping_flush_leaves_the_rest_pending():
+    # an optimizer's step counter: reading it must not run the pending training step
+    step = torch.tensor(0.0)
+    w = torch.ones(64, 64)
+    with deferfuse.defer():
+        big = w @ w + step          # reads the counter's memory before it changes
+        step += 1
+        assert step.item() == 1.0
+        assert not deferfuse.is_materialized(big)
+    assert torch.equal(big, torch.full((64, 64), 64.0))
+
+
 def test_sync_specific_and_all():
     x = torch.ones(2)
     with deferfuse.defer():

@@ -258,3 +258,16 @@ def test_pending_read_survives_a_boolean_mask_assignment():
         x[x > 0] = 2
         return y
     check(program, torch.tensor(4.0))
+
+
+def test_storages_from_one_node_keep_one_signature():
+    # Storages whose contents come from the same multi-output node were ordered by the address
+    # of their state (a WeakSet), so the same program got different signatures and recompiled.
+    x = torch.randn(6, 5)
+    with deferfuse.config.override(always_compile=True):
+        deferfuse.reset_stats()
+        for _ in range(30):
+            with deferfuse.defer():
+                values, indices = (x * 2).max(dim=0)
+                mean, var = torch.var_mean(x + 1, dim=1)
+        assert deferfuse.stats()["compiles"] <= 1

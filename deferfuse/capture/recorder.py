@@ -38,6 +38,7 @@ from ..stats import STATS
 from . import meta as meta_
 from .classify import OpKind, functional_variant, op_info
 from .tensor import DeferredTensor
+from .unroll import DECOMPOSITIONS, unroll_foreach
 
 aten = torch.ops.aten
 
@@ -71,6 +72,19 @@ def user_source() -> Optional[str]:
 
 def _flat_meta(state: StorageState) -> TensorMeta:
     return TensorMeta((state.numel,), (1,), 0, state.dtype, state.device, state.numel)
+
+
+_UNKNOWN = object()
+_SPECIAL: dict = {}
+
+
+def _special_form(op: torch._ops.OpOverload):
+    """Our own decomposition of ``op`` (capture/unroll.py), or None."""
+    if op in DECOMPOSITIONS:
+        return DECOMPOSITIONS[op]
+    if op._schema.name.startswith("aten::_foreach_"):
+        return lambda *args, **kwargs: unroll_foreach(op, args, kwargs)
+    return None
 
 
 def _decomposition(op: torch._ops.OpOverload):
@@ -117,6 +131,7 @@ class Recorder:
         if contents is None:
             if state.leaf is None:
                 state.leaf = graph.leaf(state.buffer)
+                state.old_leaves.append(weakref.ref(state.leaf))
             return state.leaf
         if contents[0] == "flat":
             return contents[1]
@@ -223,6 +238,16 @@ class Recorder:
             # a copy depending on strides, which its schema cannot say.
             with self.mode.recording():
                 result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                STATS.ops_recorded -= 1
+                return result
+        special = _SPECIAL.get(func, _UNKNOWN)
+        if special is _UNKNOWN:
+            special = _SPECIAL[func] = _special_form(func)
+        if special is not None:
+            # a foreach op or a fused optimizer step: recorded as the ops it is made of
+            with self.mode.recording(), torch._C._AutoDispatchBelowAutograd():
+                result = special(*args, **kwargs)
             if result is not NotImplemented:
                 STATS.ops_recorded -= 1
                 return result
@@ -424,7 +449,7 @@ class Recorder:
         """Live storages with pending contents, in record order (a WeakSet iterates by address,
         which would make equal programs give different signatures)."""
         states = [s for s in list(self.pending) if s.contents is not None]
-        states.sort(key=lambda s: s.contents[1].node.id)
+        states.sort(key=lambda s: (s.contents[1].node.id, s.contents[1].index))
         return states
 
     def flush_all(self, reason: FlushReason) -> None:
@@ -439,9 +464,9 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
     states = [s for s in states if s.contents is not None]
     if not states:
         return
-    if recorder is not None and any(s.buffer is not None for s in states):
-        # Writing back into existing memory: pending readers of that memory must run first.
-        states = list({id(s): s for s in states + recorder.pending_states()}.values())
+    snapshot = False
+    if recorder is not None:
+        states, snapshot = _widen(states, recorder)
     STATS.flushes[reason.value] += 1
     with no_dispatch(), torch.profiler.record_function("deferfuse.flush"):
         targets: list[Value] = []
@@ -475,13 +500,92 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
                 if ptr:
                     _STATES_BY_PTR[ptr] = s
             else:
+                if snapshot:
+                    _snapshot_old_leaves(s)
                 s.buffer.copy_(flat)
+                s.old_leaves = []
             value.result = result
             s.contents = None
             s.changed()
         _release(nodes)
     if recorder is not None:
         recorder.pending_nodes = max(0, recorder.pending_nodes - len(nodes))
+
+
+# A flush computes what it needs, and with it every pending storage whose graph shares work with
+# that (so nothing computed inside this computation is computed again later: a training step
+# ending in loss.item() runs as one computation), or that reads memory this flush writes back
+# (so it still sees the old contents).  Scalar bookkeeping (an optimizer's step counter read with
+# .item()) instead copies the small memory it writes back for the pending readers of its old
+# contents, so it never drags the rest of the pending graph along.
+_SMALL_FLUSH_NODES = 64
+_SNAPSHOT_BYTES = 1 << 16
+
+
+def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[StorageState], bool]:
+    """(states to compute, whether to snapshot old memory before writing it back)."""
+    nodes = graph.ancestors([s.contents[1] for s in states])
+    small = len(nodes) <= _SMALL_FLUSH_NODES and all(v.meta.numel <= 1 for n in nodes for v in n.outputs)
+    if small and all(s.buffer is None or s.numel * s.dtype.itemsize <= _SNAPSHOT_BYTES for s in states):
+        return states, True
+    chosen = {id(s): s for s in states}
+    others = [p for p in recorder.pending_states() if id(p) not in chosen]
+    computed = _shared_work(nodes)
+    written: set[int] = set()
+
+    def note_written(s: StorageState) -> None:
+        if s.buffer is not None:
+            written.update(id(leaf) for leaf in (ref() for ref in s.old_leaves) if leaf is not None)
+
+    for s in states:
+        note_written(s)
+    grew = True
+    while grew and others:
+        grew = False
+        touches: dict[int, bool] = {}
+        remaining = []
+        for p in others:
+            if _touches(p.contents[1].node, computed, written, touches):
+                chosen[id(p)] = p
+                computed |= _shared_work(graph.ancestors([p.contents[1]]))
+                note_written(p)
+                grew = True
+            else:
+                remaining.append(p)
+        others = remaining
+    return list(chosen.values()), False
+
+
+def _shared_work(nodes: list[Node]) -> set[int]:
+    """Ids of the nodes whose work another storage could share: all but plain reads of memory."""
+    return {n.id for n in nodes if not (n.op is graph.READ_VIEW and n.inputs[0].result is not None)}
+
+
+def _touches(root: Node, computed: set[int], written: set[int], memo: dict[int, bool]) -> bool:
+    """Whether ``root`` or a pending node above it is computed by this flush or reads memory it
+    writes back (iterative: pending graphs may be deep)."""
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node.id in memo:
+            continue
+        if not expanded:
+            if node.id in computed or any(id(v) in written for v in node.inputs):
+                memo[node.id] = True
+                continue
+            stack.append((node, True))
+            stack.extend((v.node, False) for v in node.inputs if v.result is None and v.node.id not in memo)
+        else:
+            memo[node.id] = any(memo.get(v.node.id, False) for v in node.inputs if v.result is None)
+    return memo.get(root.id, False)
+
+
+def _snapshot_old_leaves(s: StorageState) -> None:
+    """Pending nodes reading ``s.buffer`` through a graph input keep its current contents."""
+    for ref in s.old_leaves:
+        leaf = ref()
+        if leaf is not None and leaf.result is not None:
+            leaf.result = leaf.result.clone()
 
 
 def _is_plain_root(s: StorageState) -> bool:
@@ -571,11 +675,14 @@ def _written_arguments(func, info, args, kwargs) -> list:
     names = info.arg_names
     for name in info.written:
         if name in kwargs:
-            found.append(kwargs[name])
+            value = kwargs[name]
         else:
             i = names.index(name)
-            if i < len(args):
-                found.append(args[i])
+            if i >= len(args):
+                continue
+            value = args[i]
+        # a written Tensor[] (foreach ops, fused optimizers) writes each of its tensors
+        found.extend(value) if isinstance(value, (list, tuple)) else found.append(value)
     return found
 
 

@@ -141,7 +141,7 @@ class StorageState:
     """
 
     __slots__ = ("buffer", "contents", "version", "numel", "dtype", "device", "reads", "leaf",
-                 "epoch", "__weakref__")
+                 "old_leaves", "epoch", "__weakref__")
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
                  buffer: Optional[torch.Tensor] = None, contents: Any = None) -> None:
@@ -155,6 +155,9 @@ class StorageState:
         self.reads: dict[TensorMeta, Value] = {}
         # graph input holding ``buffer`` while it is current
         self.leaf: Optional[Value] = None
+        # every graph input made over ``buffer`` since it was last written (weakly): pending
+        # nodes may still read the memory through them
+        self.old_leaves: list = []
         # the defer context whose reads are cached: memory may change between contexts
         self.epoch = -1
 

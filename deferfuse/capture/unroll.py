@@ -1,0 +1,182 @@
+"""Our own decompositions, for ops that torch._decomp leaves whole but that must not run eagerly in
+a training loop: the foreach ops (unrolled into one aten call per list element) and the fused
+optimizer steps (written as the per-element math of their CPU kernels).
+
+Both are recorded like any other code (through the defer mode), so an optimizer step fuses with
+the backward pass before it, and its Python float hyperparameters become runtime scalars.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+aten = torch.ops.aten
+
+# -- foreach ------------------------------------------------------------------------------------
+# The per-element op of a foreach op has the same name without the prefix, except these.
+_PER_ELEMENT_NAME = {"norm": "linalg_vector_norm"}
+
+
+def _element_type(jit_type: Any) -> str:
+    """The type one element of a foreach argument has: "T" (tensor), "N" (number) or other."""
+    text = str(jit_type)
+    if text in ("List[Tensor]", "Tensor"):
+        return "T"
+    if text in ("List[number]", "number"):
+        return "N"
+    return text
+
+
+class _Binding:
+    """How to call the per-element overload from the foreach op's arguments."""
+
+    __slots__ = ("op", "names", "kwarg_only", "listed", "copy_back")
+
+    def __init__(self, op, names: tuple, kwarg_only: tuple, listed: tuple) -> None:
+        self.op = op                    # the per-element OpOverload
+        self.names = names              # its parameter name for each foreach argument
+        self.kwarg_only = kwarg_only    # whether that parameter is keyword-only there
+        self.listed = listed            # whether the foreach argument is a per-element list
+        self.copy_back = False          # an out-of-place element op whose result goes into self
+
+
+def _candidate_binding(foreach_args, candidate) -> Optional[_Binding]:
+    params = candidate._schema.arguments
+    by_name = {p.name: p for p in params}
+    wanted = [(a.name, _element_type(a.type)) for a in foreach_args]
+    # by name (norm's dtype), else by position (add.Scalar's "scalar" is add's "other")
+    if all(n in by_name and _element_type(by_name[n].type) == t for n, t in wanted):
+        chosen = [by_name[n] for n, _ in wanted]
+    elif len(wanted) <= len(params) and all(_element_type(p.type) == t for p, (_, t) in zip(params, wanted)):
+        chosen = list(params[:len(wanted)])
+    else:
+        return None
+    bound = {p.name for p in chosen}
+    if any(p.name not in bound and not p.has_default_value() for p in params):
+        return None
+    listed = tuple(str(a.type).startswith("List[") and _element_type(by.type) in ("T", "N")
+                   and not str(by.type).startswith("List[") for a, by in zip(foreach_args, chosen))
+    return _Binding(candidate, tuple(p.name for p in chosen), tuple(p.kwarg_only for p in chosen), listed)
+
+
+@functools.cache
+def foreach_binding(op: torch._ops.OpOverload) -> Optional[_Binding]:
+    """The per-element overload of a ``_foreach_*`` overload and how its arguments map, or None."""
+    name = op._schema.name.split("::")[-1]
+    if not name.startswith("_foreach_"):
+        return None
+    base = name[len("_foreach_"):]
+    inplace = base.endswith("_")
+    stem = base[:-1] if inplace else base
+    stem = _PER_ELEMENT_NAME.get(stem, stem)
+    # an in-place foreach op whose element op has no in-place form (maximum) writes the result
+    packets = [getattr(aten, stem + "_", None), getattr(aten, stem, None)] if inplace else [getattr(aten, stem, None)]
+    for packet in packets:
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            candidate = getattr(packet, overload)
+            binding = _candidate_binding(op._schema.arguments, candidate)
+            if binding is not None and any(binding.listed):
+                binding.copy_back = inplace and packet is packets[-1] and len(packets) == 2
+                return binding
+    return None
+
+
+def unroll_foreach(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run a foreach op as one per-element aten call per list element (in the caller's mode).
+    NotImplemented if the op has no per-element form (its scalars come as a tensor)."""
+    binding = foreach_binding(op)
+    if binding is None:
+        return NotImplemented
+    schema_args = op._schema.arguments
+    values = list(args) + [kwargs.get(a.name, a.default_value) if a.name in kwargs or a.has_default_value()
+                           else None for a in schema_args[len(args):]]
+    lengths = {len(v) for v, listed in zip(values, binding.listed) if listed}
+    if len(lengths) != 1:
+        raise RuntimeError(f"{op}: tensor lists must have the same number of elements, got "
+                           f"{sorted(lengths)}")
+    (n,) = lengths
+    results = []
+    for i in range(n):
+        pos, kw = [], {}
+        for value, name, kwarg_only, listed in zip(values, binding.names, binding.kwarg_only, binding.listed):
+            element = value[i] if listed else value
+            if kwarg_only:
+                kw[name] = element
+            else:
+                pos.append(element)
+        result = binding.op(*pos, **kw)
+        if binding.copy_back:
+            values[0][i].copy_(result)
+        results.append(result)
+    if not op._schema.returns:
+        return None
+    return results
+
+
+# -- fused optimizers ---------------------------------------------------------------------------
+def _fused_adam(adamw: bool):
+    def step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
+             weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None):
+        if grad_scale is not None or found_inf is not None:
+            return NotImplemented     # AMP's gradient unscaling: left to torch's kernel
+        for i, param in enumerate(params):
+            grad = grads[i].neg() if maximize else grads[i]
+            if weight_decay != 0:
+                if adamw:
+                    param.mul_(1 - lr * weight_decay)
+                else:
+                    grad = grad.add(param, alpha=weight_decay)
+            # bias corrections in double from the step tensor, as the kernel computes them
+            step_ = state_steps[i].to(torch.float64)
+            bias_correction1 = 1 - torch.pow(beta1, step_)
+            bias_correction2_sqrt = (1 - torch.pow(beta2, step_)).sqrt()
+            exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            if amsgrad:
+                torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
+                second = max_exp_avg_sqs[i]
+            else:
+                second = exp_avg_sq
+            denom = (second.sqrt() / bias_correction2_sqrt.to(second.dtype)).add_(eps)
+            step_size = (lr / bias_correction1).to(param.dtype)
+            param.sub_(exp_avg / denom * step_size)
+        return None
+    return step
+
+
+def _fused_sgd(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov,
+               maximize, is_first_step, grad_scale=None, found_inf=None):
+    if grad_scale is not None or found_inf is not None:
+        return NotImplemented
+    for i, param in enumerate(params):
+        grad = grads[i].neg() if maximize else grads[i]
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        if momentum != 0:
+            buf = momentum_buffer_list[i]
+            if is_first_step:
+                buf.copy_(grad)
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            grad = grad.add(buf, alpha=momentum) if nesterov else buf
+        if isinstance(lr, torch.Tensor):
+            param.sub_(grad * lr.to(param.dtype))
+        else:
+            param.add_(grad, alpha=-lr)
+    return None
+
+
+DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten._fused_adam_.default: _fused_adam(adamw=False),
+    aten._fused_adam_.tensor_lr: _fused_adam(adamw=False),
+    aten._fused_adamw_.default: _fused_adam(adamw=True),
+    aten._fused_adamw_.tensor_lr: _fused_adam(adamw=True),
+    aten._fused_sgd_.default: _fused_sgd,
+    aten._fused_sgd_.tensor_lr: _fused_sgd,
+}

@@ -1,0 +1,220 @@
+"""Training loops under defer mode: the same losses, parameters and optimizer state as strict.
+
+Each loop runs twice from the same seed, under strict and under defer, and everything a user can
+observe is compared: the loss of every step, the final parameters, the optimizer state, and that
+parameters stay the same Python objects over the same memory.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import deferfuse
+from oracle import assert_same
+
+STEPS = 6
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.LayerNorm(24), torch.nn.GELU(),
+                               torch.nn.Linear(24, 5))
+
+
+def batches(n: int, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 12, generator=g), torch.randint(0, 5, (rows,), generator=g)) for _ in range(n)]
+
+
+def train(mode: str, make_opt, steps: int = STEPS, *, accumulate: int = 1, clip: float | None = None,
+          scheduler=None, set_to_none: bool = True, model: torch.nn.Module | None = None):
+    """(losses, model, optimizer) after ``steps`` steps of a small classifier under ``mode``."""
+    model = model or make_model()
+    opt = make_opt(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    data = batches(steps * accumulate)
+    losses = []
+    context = deferfuse.defer() if mode == "defer" else deferfuse.strict()
+    with context:
+        for step in range(steps):
+            opt.zero_grad(set_to_none=set_to_none)
+            for micro in range(accumulate):
+                x, y = data[step * accumulate + micro]
+                loss = torch.nn.functional.cross_entropy(model(x), y) / accumulate
+                loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            if sched:
+                sched.step()
+            losses.append(loss.item())
+    return losses, model, opt
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list:
+    return [(k, v) for state in opt.state.values() for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+
+
+def assert_same_training(strict, defer) -> None:
+    (ls, ms, os_), (ld, md, od) = strict, defer
+    for i, (a, b) in enumerate(zip(ls, ld)):
+        assert abs(a - b) <= 1e-4 * abs(a) + 1e-7, f"step {i}: loss {b} != strict {a}"
+    assert_same(list(ms.parameters()), list(md.parameters()), path="parameters")
+    assert_same([p.grad for p in ms.parameters()], [p.grad for p in md.parameters()], path="grads")
+    assert_same(optimizer_tensors(os_), optimizer_tensors(od), path="optimizer state")
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+    "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+    "sgd-momentum-fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    "sgd-nesterov-wd-maximize": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True,
+                                                          weight_decay=0.01, maximize=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
+    "adam-foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adam-wd-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "adamw-fused-amsgrad-maximize": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True, amsgrad=True,
+                                                                maximize=True),
+    "adamw-foreach-amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True, amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("always_compile", [True, False], ids=["xla", "tiered"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_matches_strict(name, always_compile):
+    make_opt = OPTIMIZERS[name]
+    strict = train("strict", make_opt)
+    with deferfuse.config.override(always_compile=always_compile):
+        defer = train("defer", make_opt)
+    assert_same_training(strict, defer)
+    assert deferfuse.stats()["fallbacks"] == {}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_accumulation_clipping_and_schedule(set_to_none):
+    def run(mode):
+        return train(mode, OPTIMIZERS["adamw-foreach"], accumulate=3, clip=0.05, set_to_none=set_to_none,
+                     scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS))
+    strict = run("strict")
+    with deferfuse.config.override(always_compile=True):
+        defer = run("defer")
+    assert_same_training(strict, defer)
+
+
+def test_convergence_over_30_steps():
+    def run(mode):
+        return train(mode, OPTIMIZERS["adamw"], steps=30,
+                     scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30))
+    strict = run("strict")
+    defer = run("defer")
+    assert_same_training(strict, defer)
+
+
+def test_parameters_stay_the_same_objects_over_the_same_memory():
+    model = make_model()
+    params = list(model.parameters())
+    ids = [id(p) for p in params]
+    pointers = [p.data_ptr() for p in params]
+    weight_view = params[0][0]          # an existing view of a parameter
+    strict = train("strict", OPTIMIZERS["adamw-foreach"])
+    defer = train("defer", OPTIMIZERS["adamw-foreach"], model=model)
+    assert [id(p) for p in defer[1].parameters()] == ids
+    assert all(isinstance(p, torch.nn.Parameter) and type(p) is torch.nn.Parameter for p in model.parameters())
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    assert_same(list(strict[1].parameters()), list(defer[1].parameters()))
+    assert torch.equal(weight_view, params[0][0])
+    state = defer[2].state[params[0]]
+    pointer = state["exp_avg"].data_ptr()
+    with deferfuse.defer():
+        loss = model(batches(1)[0][0]).sum()
+        loss.backward()
+        defer[2].step()
+    assert state["exp_avg"].data_ptr() == pointer, "optimizer state moved to new memory"
+
+
+@pytest.mark.parametrize("where", ["inside", "after"])
+def test_state_dict_save_and_load(where):
+    strict = train("strict", OPTIMIZERS["adam"])
+    _, model, opt = defer = train("defer", OPTIMIZERS["adam"])
+    assert_same_training(strict, defer)
+    buffer = io.BytesIO()
+    context = deferfuse.defer() if where == "inside" else deferfuse.strict()
+    with context:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)
+        fresh = make_model()
+        fresh_opt = OPTIMIZERS["adam"](fresh.parameters())
+        fresh.load_state_dict(loaded["model"])
+        fresh_opt.load_state_dict(loaded["opt"])
+    assert_same(list(strict[1].parameters()), list(fresh.parameters()))
+    assert_same(optimizer_tensors(strict[2]), optimizer_tensors(fresh_opt))
+    # the loaded copy trains on exactly like the original
+    x, y = batches(1)[0]
+    for m, o, mode in ((strict[1], strict[2], deferfuse.strict), (fresh, fresh_opt, deferfuse.defer)):
+        with mode():
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    assert_same(list(strict[1].parameters()), list(fresh.parameters()))
+
+
+def _autograd_features(x: torch.Tensor, w: torch.Tensor):
+    w.requires_grad_(True)
+    y = (x @ w).tanh()
+    frozen = y.detach() * 2          # no gradient flows through detach
+    loss = (y * frozen).sum()
+    (gw,) = torch.autograd.grad(loss, w, retain_graph=True)
+    loss.backward()                  # the retained graph is used a second time
+    with torch.no_grad():
+        w -= 0.1 * w.grad
+        inside = (w * 3).requires_grad
+    w.requires_grad_(False)
+    after = (x @ w).requires_grad
+    return gw, w.grad.clone(), w.detach().clone(), inside, after, loss.detach()
+
+
+def test_no_grad_detach_retain_graph_and_requires_grad_toggles():
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    strict = _autograd_features(x.clone(), w.clone())
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        defer = _autograd_features(x.clone(), w.clone())
+    assert strict[3:5] == (False, False) and defer[3:5] == strict[3:5]
+    assert_same(strict, defer)
+
+
+def _step_counts(make_opt, steps: int, warmup: int):
+    """Per-step stats of a training step ending in loss.item(), after ``warmup`` steps."""
+    model = make_model()
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)   # a new learning rate every step
+    x, y = batches(1)[0]
+    counts = []
+    with deferfuse.config.override(background_compile=False), deferfuse.defer():
+        for step in range(warmup + steps):
+            deferfuse.reset_stats()
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            loss.item()
+            counts.append(deferfuse.stats())
+    return counts[warmup:]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw-foreach", "adamw-fused", "sgd-momentum"])
+def test_steady_state_step_compiles_nothing_and_runs_few_computations(name):
+    for stats in _step_counts(OPTIMIZERS[name], steps=4, warmup=3):
+        assert stats["compiles"] == 0, stats
+        assert stats["cache_misses"] == 0, stats
+        assert stats["executions"] <= 3, stats
+        assert stats["fallbacks"] == {}, stats
