@@ -86,6 +86,11 @@ _declare("background_compile", bool, True,
 _declare("autotune_engine", bool, True,
          "Time a new graph's eager runs against its first XLA runs and keep it eager when torch's "
          "kernels are faster (always_compile overrides).")
+_declare("gc_freeze", bool, True,
+         "While a defer block runs, keep the objects that existed before it out of Python's full "
+         "garbage collections (gc.freeze; undone when the outermost block ends).  torch and JAX "
+         "leave ~400k objects that a full collection rescans (~200 ms on a 2-core VM), and "
+         "recording allocates enough to trigger one every few thousand ops.")
 _declare("explain_history", int, 16, "How many recent flush plans deferfuse.explain() keeps.")
 _declare("check_nans", bool, False,
          "In debug mode, raise at the first op whose output holds a NaN or Inf that its inputs "

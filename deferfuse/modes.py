@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import gc
 import logging
 import os
 import threading
 from typing import Iterator, Optional, Union
 
+from . import config
 from .errors import FlushReason, ModeError
 
 
@@ -80,10 +82,41 @@ def _active_defer() -> Optional[object]:
     return live[-1][1] if live and live[-1][0] is EagerMode.DEFER else None
 
 
+class _GcFreeze:
+    """gc.freeze() while any defer block runs on any thread (see the ``gc_freeze`` setting).
+
+    Only what existed before the outermost block is frozen, and it is unfrozen when that block
+    ends, so garbage from before the block is collected late, never leaked.  A process that froze
+    objects itself is left alone."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.froze = False
+
+    def enter(self) -> None:
+        with self.lock:
+            self.depth += 1
+            if self.depth == 1 and config.get("gc_freeze") and gc.isenabled() and gc.get_freeze_count() == 0:
+                gc.freeze()
+                self.froze = True
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0 and self.froze:
+                gc.unfreeze()
+                self.froze = False
+
+
+_GC_FREEZE = _GcFreeze()
+
+
 def _start_defer():
     from .capture.recorder import DeferMode
     handle = DeferMode()
     handle.__enter__()
+    _GC_FREEZE.enter()
     return handle
 
 
@@ -95,7 +128,10 @@ def _stop_defer(handle, reason: FlushReason, *, flush: bool = True) -> None:
     finally:
         recorder.active = False
         recorder.real_states.clear()
-        handle.__exit__(None, None, None)
+        try:
+            handle.__exit__(None, None, None)
+        finally:
+            _GC_FREEZE.exit()
 
 
 def _discard_defer(handle) -> None:

@@ -131,3 +131,45 @@ def test_python_m_runs_script_like_python(tmp_path):
     assert "runpy" not in out.stderr
     out = _run(["-m", "deferfuse", "--mode", "strict", str(script)], cwd=REPO)
     assert "strict Tensor 12.0" in out.stdout
+
+
+def test_defer_block_freezes_older_objects_out_of_full_collections():
+    import gc
+    assert gc.get_freeze_count() == 0
+    with deferfuse.defer():
+        frozen = gc.get_freeze_count()
+        with deferfuse.defer():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen > 0
+    assert gc.get_freeze_count() == 0
+    with deferfuse.config.override(gc_freeze=False), deferfuse.defer():
+        assert gc.get_freeze_count() == 0
+
+
+def test_defer_block_leaves_a_users_own_freeze_alone():
+    import gc
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        with deferfuse.defer():
+            pass
+        assert gc.get_freeze_count() == count
+    finally:
+        gc.unfreeze()
+
+
+def test_garbage_from_before_a_defer_block_is_collected_after_it():
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+
+    a = Cycle()
+    a.self = a
+    alive = weakref.ref(a)
+    with deferfuse.defer():
+        del a
+        gc.collect()
+    gc.collect()
+    assert alive() is None
