@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deep demo bench clean
+.PHONY: install test test-deep demo bench conformance clean
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run
+
+# The OpInfo conformance sweep (docs/conformance.md): every OpInfo x dtype x variant, strict vs
+# defer.  CONFORMANCE_ARGS adds options, e.g. CONFORMANCE_ARGS="--max-samples 0" for every sample.
+conformance: $(STAMP)
+	$(PY) -m conformance.sweep --subset full $(CONFORMANCE_ARGS) \
+		--json conformance/results/full.json --markdown docs/conformance.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info
