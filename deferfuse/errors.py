@@ -40,13 +40,14 @@ class FlushReason(enum.Enum):
 class FallbackReason(enum.Enum):
     NO_LOWERING = "no_lowering"              # no lowering and no decomposition
     CHECK_FAILED = "check_failed"            # the lowering's checker declined these inputs
-    NO_META = "no_meta"                      # output metadata could not be inferred
+    NO_META = "no_meta"                      # no meta kernel, or one that rejects what the CPU kernel runs
     DATA_DEPENDENT = "data_dependent"        # output shape depends on values
     RANDOM = "random"                        # random op whose inputs' values are read
     OBSERVING = "observing"                  # op returns Python values
     UNSUPPORTED_ALIASING = "unsupported_aliasing"  # e.g. a dtype view of a storage
     INPLACE_VIEW = "inplace_view"            # metadata-mutating op on a deferred tensor
     LOWERING_FAILED = "lowering_failed"      # a lowering raised while tracing
+    SPARSE = "sparse"                        # a tensor argument has no strided storage (sparse, ...)
 
 
 class DebugCheckError(DeferfuseError):

@@ -54,6 +54,12 @@ _ALLOCATIONS = frozenset({"empty", "empty_strided", "new_empty", "new_empty_stri
                           "empty_permuted"})
 
 
+# ``_unsafe_view`` returns a view of its input (kron's out= variant writes through it), but its
+# schema declares no alias so that autograd does not track it as one.  It is the only aten op
+# whose schema says so while its kernel aliases.
+_UNANNOTATED_VIEWS = frozenset({"_unsafe_view"})
+
+
 @functools.cache
 def op_info(op: torch._ops.OpOverload) -> OpInfo:
     schema = op._schema
@@ -79,7 +85,7 @@ def op_info(op: torch._ops.OpOverload) -> OpInfo:
         kind = OpKind.OBSERVING
     elif written:
         kind = OpKind.MUTATING
-    elif any(r.alias_info is not None for r in schema.returns):
+    elif any(r.alias_info is not None for r in schema.returns) or schema.name.split("::")[-1] in _UNANNOTATED_VIEWS:
         kind = OpKind.VIEW
     elif dynamic:
         kind = OpKind.DYNAMIC

@@ -4,6 +4,12 @@ The cache key holds the op, each tensor's ``TensorMeta`` and every static argume
 passed to a ``Scalar`` parameter enters the key by type only, since it is a runtime input of the
 compiled computation and cannot change an output's shape or dtype.  Running the op on meta tensors
 also raises torch's own shape and dtype errors, at record time, on the user's line.
+
+Where meta kernels cannot say what the CPU kernel does, ``infer`` raises ``NoMeta`` and the
+recorder runs the op eagerly (a counted fallback): an op with no meta kernel (geqrf, histogram,
+the backward of multi_margin_loss), or a call the meta kernel rejects while the CPU kernel runs
+it (``addbmm_`` on a ``self`` that broadcasts, which the CPU kernel resizes).  Meta kernels that
+run but give other metadata than the CPU kernel are corrected by ``_CPU_CORRECTIONS``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ class MetaEntry:
     ctx: LoweringContext
 
 
-_CACHE: dict[Any, MetaEntry] = {}
+_CACHE: dict[Any, Any] = {}   # key -> MetaEntry, or _NO_META
+
+
+class NoMeta(Exception):
+    """Meta tensors cannot give this call's output metadata; run it eagerly."""
+
+
+_NO_META = object()
 
 
 def to_meta_tensor(m: TensorMeta) -> torch.Tensor:
@@ -76,6 +89,8 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     entry = _CACHE.get(key)
     if entry is not None:
         STATS.meta_cache_hits += 1
+        if entry is _NO_META:
+            raise NoMeta(str(op))
         return entry
     STATS.meta_cache_misses += 1
     device = _first_device(args, kwargs)
@@ -85,17 +100,32 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
         meta_kwargs["device"] = torch.device("meta")
     try:
         result = op(*meta_args, **meta_kwargs)
+    except NotImplementedError as meta_error:
+        # No meta kernel (or a data-dependent one, nonzero's): only the real kernel can say,
+        # and it raises the user's errors itself when it runs.
+        _CACHE[key] = _NO_META
+        raise NoMeta(str(op)) from meta_error
     except Exception as meta_error:
-        _raise_as_torch_would(op, args, kwargs, meta_error)
+        if _raise_as_torch_would(op, args, kwargs, meta_error):
+            _CACHE[key] = _NO_META
+            raise NoMeta(str(op)) from meta_error
         raise
     results = result if isinstance(result, (tuple, list)) else (result,)
     outs = tuple(_meta_of_output(r, device) for r in results)
-    tensor_outs = tuple(o for o in outs if o is not None)
-    ctx = LoweringContext(op, args, kwargs, tensor_outs)
     lowering = get_lowering(op)
     reason: Optional[str] = None
+    correction = _CPU_CORRECTIONS.get(op)
+    if correction is not None and device.type == "cpu":
+        corrected = correction(outs, args, kwargs)
+        if corrected != outs:
+            # The lowering computes the meta kernel's outputs; torch's decomposition (which the
+            # recorder uses when there is no lowering) follows the CPU kernel.
+            outs, lowering = corrected, None
+            reason = "the meta kernel's output metadata differs from the CPU kernel's"
+    tensor_outs = tuple(o for o in outs if o is not None)
+    ctx = LoweringContext(op, args, kwargs, tensor_outs)
     if lowering is None:
-        reason = "no lowering"
+        reason = reason or "no lowering"
     elif lowering.check is not None:
         reason = lowering.check(ctx)
         if reason is not None:
@@ -108,13 +138,14 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
 _SMALL = 1 << 16
 
 
-def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> None:
+def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> bool:
     """Meta kernels sometimes raise another exception type than the real kernel (RuntimeError
-    for IndexError).  For small inputs, run the op on zero-filled CPU tensors of the same
-    metadata and raise what it raises; otherwise let the meta error stand."""
+    for IndexError), or reject a call the real kernel runs.  For small inputs, run the op on
+    zero-filled CPU tensors of the same metadata and raise what it raises; True when it raised
+    nothing (the meta kernel is wrong about this call).  Otherwise let the meta error stand."""
     tensors = [a for a in _walk(args, kwargs) if isinstance(a, TensorMeta)]
     if sum(t.storage_numel for t in tensors) > _SMALL:
-        return
+        return False
 
     def real(a: Any) -> Any:
         if isinstance(a, TensorMeta):
@@ -130,6 +161,30 @@ def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) 
     except Exception as real_error:  # noqa: BLE001 - re-raised with torch's own type
         if type(real_error) is not type(meta_error):
             raise real_error from None
+        return False
+    return True
+
+
+def _no_saved_stats_in_eval(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """Batch norm in eval mode: the CPU kernel saves no statistics (empty save_mean and
+    save_invstd); the meta kernel gives them one element per channel."""
+    training = args[5] if len(args) > 5 else kwargs.get("training", False)
+    if training:
+        return outs
+    return (outs[0],) + tuple(o._replace(shape=(0,), stride=(1,), offset=0, storage_numel=0) for o in outs[1:])
+
+
+def _eval_batch_norm(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    return _no_saved_stats_in_eval(outs, args[:5] + (False,), {})
+
+
+# Meta kernels that run but disagree with the CPU kernel on output metadata, keyed by op, with
+# the function that gives the CPU kernel's.  torch says nothing about these in schemas or tags,
+# so they are listed; each was found by the OpInfo sweep (docs/conformance.md).
+_CPU_CORRECTIONS = {
+    torch.ops.aten.native_batch_norm.default: _no_saved_stats_in_eval,
+    torch.ops.aten._native_batch_norm_legit_no_training.default: _eval_batch_norm,
+}
 
 
 def _walk(args: tuple, kwargs: dict):

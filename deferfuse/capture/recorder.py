@@ -11,7 +11,9 @@ storages it touched, what is pending) and does the work.  Each op is classified 
   DYNAMIC    its inputs are flushed and it runs eagerly (the output shape depends on data)
   OBSERVING  likewise; it returns Python values
 Ops with no lowering use a torch._decomp decomposition when one exists, and otherwise run
-eagerly after flushing their inputs (counted in stats().fallbacks).
+eagerly after flushing their inputs (counted in stats().fallbacks).  So do ops whose metadata
+meta tensors cannot give (no meta kernel, a meta kernel that rejects what the CPU kernel runs,
+a data-dependent output shape) and ops with a sparse argument, which has no storage to model.
 """
 
 from __future__ import annotations
@@ -113,10 +115,19 @@ class Recorder:
         return Node(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
 
     def state_of_real(self, t: torch.Tensor) -> StorageState:
+        if t.layout is not torch.strided:
+            raise _NoStorage(t.layout)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         state = _STATES_BY_PTR.get(ptr) if ptr else None
         if state is None or state.dtype != t.dtype or state.numel * t.element_size() != storage.nbytes():
+            if state is not None:
+                # The same memory seen as another dtype (complex's decomposition writes through
+                # view_as_real of its result) or resized: the storage model has one dtype and
+                # size per storage, so what is pending is written back first and the old state's
+                # cached reads are dropped; the new state reads the memory as it then is.
+                self.flush_all(FlushReason.FALLBACK)
+                state.changed()
             numel = storage.nbytes() // t.element_size()
             with torch.no_grad():
                 buffer = torch.as_strided(t.detach(), (numel,), (1,), 0)
@@ -251,26 +262,39 @@ class Recorder:
             if result is not NotImplemented:
                 STATS.ops_recorded -= 1
                 return result
-        kind = info.kind
-        if kind is OpKind.PURE:
-            result = self.record(func, info, args, kwargs)
-        elif kind is OpKind.VIEW:
-            result = self.record_view(func, info, args, kwargs)
-        elif kind is OpKind.MUTATING:
-            result = self.record_mutation(func, info, args, kwargs)
-        elif kind is OpKind.RANDOM:
-            result = self.run_random(func, info, args, kwargs)
-        elif kind is OpKind.DYNAMIC:
-            result = self.record_dynamic(func, info, args, kwargs)
-        elif kind is OpKind.OBSERVING:
-            result = self.run_observing(func, info, args, kwargs)
-        elif kind is OpKind.ALLOCATION:
-            result = self.run_allocation(func, info, args, kwargs)
-        else:  # INPLACE_VIEW
-            result = self.run_inplace_view(func, info, args, kwargs)
+        try:
+            result = self.dispatch_kind(func, info, args, kwargs)
+        except meta_.NoMeta:
+            # raised by this op's own metadata inference, before anything was recorded for it
+            # (ops it re-dispatches catch their own)
+            if info.dynamic:
+                result = self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT, FallbackReason.DATA_DEPENDENT)
+            else:
+                result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.NO_META)
+        except _NoStorage:
+            # a sparse (or other non-strided) argument: the storage model has nothing to say
+            result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.SPARSE)
         if self.pending_nodes > self.max_pending:
             self.flush_all(FlushReason.NODE_LIMIT)
         return result
+
+    def dispatch_kind(self, func, info, args, kwargs) -> Any:
+        kind = info.kind
+        if kind is OpKind.PURE:
+            return self.record(func, info, args, kwargs)
+        if kind is OpKind.VIEW:
+            return self.record_view(func, info, args, kwargs)
+        if kind is OpKind.MUTATING:
+            return self.record_mutation(func, info, args, kwargs)
+        if kind is OpKind.RANDOM:
+            return self.run_random(func, info, args, kwargs)
+        if kind is OpKind.DYNAMIC:
+            return self.record_dynamic(func, info, args, kwargs)
+        if kind is OpKind.OBSERVING:
+            return self.run_observing(func, info, args, kwargs)
+        if kind is OpKind.ALLOCATION:
+            return self.run_allocation(func, info, args, kwargs)
+        return self.run_inplace_view(func, info, args, kwargs)
 
     def _entry(self, func, info, args, kwargs):
         vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(info.scalar_args, info.arg_names, args, kwargs)
@@ -287,9 +311,12 @@ class Recorder:
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
         decomposition = _decomposition(func)
         if decomposition is not None:
-            STATS.decompositions[str(func)] += 1
             with self.mode.recording():
-                return decomposition(*args, **kwargs)
+                result = decomposition(*args, **kwargs)
+            # (a decomposition may decline a call: adaptive_max_pool2d's, for some sizes)
+            if result is not NotImplemented:
+                STATS.decompositions[str(func)] += 1
+                return result
         reason = FallbackReason.NO_LOWERING if entry is None or entry.reason == "no lowering" else FallbackReason.CHECK_FAILED
         return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, reason)
 
@@ -333,8 +360,17 @@ class Recorder:
                 # what torch's kernels say when an in-place result would need a resize
                 raise RuntimeError(f"output with shape {list(target.shape)} doesn't match the "
                                    f"broadcast shape {list(result.shape)}")
+            if not torch.can_cast(result.dtype, target.dtype):
+                # torch's rule for every in-place and out= result (TensorIterator's, and the
+                # references' _safe_copy_out); meta kernels of in-place ops do not check it
+                raise RuntimeError(f"result type {_type_name(result.dtype)} can't be cast to the "
+                                   f"desired output type {_type_name(target.dtype)}")
+        for target, result in zip(targets, results):
             value, _ = self.read(result)
             self.write(target, value)
+        if not func._schema.returns:
+            # out= ops writing a list of tensors (unbind_copy.int_out) return nothing
+            return None
         if is_out:
             return targets[0] if len(targets) == 1 else tuple(targets)
         return args[0]
@@ -346,8 +382,10 @@ class Recorder:
     def record_dynamic(self, func, info, args, kwargs) -> Any:
         try:
             vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
-        except (NotImplementedError, RuntimeError, torch._subclasses.fake_tensor.DynamicOutputShapeException):
-            return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT, None)
+        except (meta_.NoMeta, NotImplementedError, RuntimeError,
+                torch._subclasses.fake_tensor.DynamicOutputShapeException):
+            return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT,
+                                  FallbackReason.DATA_DEPENDENT)
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
         node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
@@ -423,8 +461,10 @@ class Recorder:
         real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK)
         out = func(*real_args, **real_kwargs)
         for t in written:
-            state = t._storage if isinstance(t, DeferredTensor) else self.state_of_real(t)
-            state.changed()
+            if isinstance(t, DeferredTensor):
+                t._storage.changed()
+            elif t.layout is torch.strided:
+                self.state_of_real(t).changed()
         if written:
             real_written = _written_arguments(func, info, real_args, real_kwargs)
             return _map_returned(out, real_written, written)
@@ -437,7 +477,7 @@ class Recorder:
         for t in tensors:
             if isinstance(t, DeferredTensor):
                 states.append(t._storage)
-            else:
+            elif t.layout is torch.strided:
                 state = _STATES_BY_PTR.get(t.untyped_storage().data_ptr())
                 if state is not None:
                     states.append(state)
@@ -609,40 +649,60 @@ def _release(nodes: list[Node]) -> None:
             node.inputs = ()
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last] element offsets a tensor touches in its storage."""
-    low = high = t.storage_offset()
-    for size, stride in zip(t.shape, t.stride()):
-        if size == 0:
-            return (0, -1)
-        if stride >= 0:
-            high += (size - 1) * stride
-        else:
-            low += (size - 1) * stride
-    return (low, high)
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """c10's ``is_non_overlapping_and_dense``: the strides of the dims of size > 1, in increasing
+    order, are those of a contiguous tensor of some permutation of the shape."""
+    dims = sorted(((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1))
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     if isinstance(a, DeferredTensor) or isinstance(b, DeferredTensor):
         return isinstance(a, DeferredTensor) and isinstance(b, DeferredTensor) and a._storage is b._storage
+    if a.layout is not torch.strided or b.layout is not torch.strided:
+        return False
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
 
 
+def _partially_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """ATen's ``get_overlap_status(a, b) == Partial``: two distinct tensors over one storage,
+    both non-overlapping and dense (anything else is 'too hard' and allowed), whose byte ranges
+    intersect without being the same range with the same strides."""
+    if a is b or a.numel() == 0 or b.numel() == 0:
+        return False
+    if not (_non_overlapping_and_dense(a) and _non_overlapping_and_dense(b)) or not _same_memory(a, b):
+        return False
+    a_begin, b_begin = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()
+    if (a_begin, a_end) == (b_begin, b_end):
+        return a.stride() != b.stride()
+    return a_begin < b_end and b_begin < a_end
+
+
 def _check_no_partial_overlap(targets: list, args: tuple, kwargs: dict) -> None:
-    """torch's elementwise kernels refuse to write a tensor that partially overlaps an input (the
-    same memory seen through other sizes or strides); meta kernels do not check it."""
+    """torch's TensorIterator kernels (pointwise ops, copy_) refuse to write a tensor that
+    partially overlaps an input (``assert_no_partial_overlap``); meta kernels do not check it."""
     for target in targets:
         for t in _tensors_in(args, kwargs):
-            if t is target or not _same_memory(t, target):
-                continue
-            if (tuple(t.shape), t.stride(), t.storage_offset()) == (tuple(target.shape), target.stride(), target.storage_offset()):
-                continue
-            a, b = _span(t), _span(target)
-            if a[0] <= b[1] and b[0] <= a[1]:
+            if _partially_overlap(target, t):
                 raise RuntimeError(
                     "unsupported operation: some elements of the input tensor and the written-to "
                     "tensor refer to a single memory location. Please clone() the tensor before "
                     "performing the operation.")
+
+
+def _type_name(dtype: torch.dtype) -> str:
+    """The name torch's messages give a dtype (Float, Long, ComplexDouble)."""
+    return torch.empty((), dtype=dtype, device="meta").type().split(".")[-1].replace("Tensor", "")
+
+
+class _NoStorage(Exception):
+    """A tensor argument has no strided storage (sparse, mkldnn): its op runs eagerly."""
 
 
 # -- helpers over argument trees ---------------------------------------------------------------
@@ -728,7 +788,7 @@ class PlainReadMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         reason = _PLAIN_READS.get(func)
         if reason is not None and args and isinstance(args[0], torch.Tensor) \
-                and not isinstance(args[0], DeferredTensor):
+                and not isinstance(args[0], DeferredTensor) and args[0].layout is torch.strided:
             state = _STATES_BY_PTR.get(args[0].untyped_storage().data_ptr())
             if state is not None and state.contents is not None:
                 with no_dispatch():

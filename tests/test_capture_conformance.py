@@ -1,0 +1,137 @@
+"""Capture-layer bugs found by the OpInfo conformance sweep (conformance/, docs/conformance.md).
+
+Each test is the smallest program of one failure cluster, compared against strict PyTorch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deferfuse
+from oracle import check
+
+aten = torch.ops.aten
+
+
+def _fallback_reasons(fn, *inputs) -> dict:
+    """stats()["fallback_reasons"] of one defer run of ``fn``."""
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        fn(*inputs)
+    return deferfuse.stats()["fallback_reasons"]
+
+
+@pytest.mark.parametrize("program, inputs", [
+    (lambda x: torch.geqrf(x), (torch.randn(4, 3),)),
+    (lambda x: torch.histogram(x, 4), (torch.randn(10),)),
+    (lambda x, m, o: torch.masked_select(x, m, out=o),
+     (torch.randn(5), torch.tensor([True, False, True, False, True]), torch.empty(0))),
+    (lambda x: (x * 2).to_sparse().to_dense(), (torch.randn(3, 3),)),
+], ids=["geqrf", "histogram", "masked_select_out", "to_sparse"])
+def test_op_without_meta_kernel_runs_eagerly(program, inputs):
+    """An op with no meta kernel raised 'attempted to run this operator with Meta tensors'
+    instead of running eagerly."""
+    check(program, *inputs)
+
+
+def test_op_without_meta_kernel_is_counted_and_still_raises_user_errors():
+    assert _fallback_reasons(lambda x: torch.geqrf(x * 2), torch.randn(4, 3)).get("no_meta") == 1
+    check(lambda x: torch.geqrf(x), torch.randn(4))   # strict's error, on a 1-d input
+
+
+def test_out_list_ops_return_none():
+    """out= ops writing a list of tensors return nothing; defer returned the list ('Expected
+    __torch_dispatch__ for aten::unbind_copy.int_out to return None')."""
+    check(lambda x, a, b: torch.unbind_copy(x, 0, out=[a, b]), torch.randn(2, 3), torch.empty(3), torch.empty(3))
+    check(lambda x, a, b: torch.split_with_sizes_copy(x, [1, 2], out=[a, b]),
+          torch.randn(3), torch.empty(1), torch.empty(2))
+
+
+def test_kron_out_writes_through_unsafe_view():
+    """kron's out= variant writes through _unsafe_view(out), which deferfuse took for a copy:
+    out was never written."""
+    check(lambda a, b, o: torch.kron(a, b, out=o), torch.randn(2, 3), torch.randn(2, 2), torch.empty(4, 6))
+
+
+def test_decomposition_returning_not_implemented_runs_eagerly():
+    """adaptive_max_pool2d's decomposition declines non-divisible sizes; its NotImplemented
+    reached torch ('Multiple dispatch failed')."""
+    check(lambda x: F.adaptive_max_pool2d(x, (3, 2)), torch.randn(1, 5, 7))
+
+
+def test_sparse_argument_runs_eagerly():
+    """A sparse argument raised 'Cannot access storage of SparseCsrTensorImpl'."""
+    check(lambda d, s: torch.sparse.sampled_addmm(s, d, d.t()), torch.randn(3, 3), torch.eye(3).to_sparse_csr())
+    assert _fallback_reasons(lambda d, s: torch.sparse.sampled_addmm(s, d * 2, d.t()),
+                             torch.randn(3, 3), torch.eye(3).to_sparse_csr()).get("sparse") == 1
+
+
+def test_sparse_argument_error_has_stricts_type():
+    check(lambda d, s, o: torch.sparse.sampled_addmm(s, d, d.t(), out=o),
+          torch.randn(3, 3), torch.eye(3).to_sparse_csr(), torch.empty(3, 3))
+
+
+def test_circular_pad_copies_between_disjoint_strided_regions():
+    """pad(mode='circular') copies between slices of one output whose ranges interleave but
+    whose elements differ; torch's partial-overlap check calls that 'too hard' and allows it,
+    defer raised."""
+    check(lambda x: F.pad(x, (1, 2), mode="circular"), torch.randn(1, 2, 4))
+
+
+def test_inplace_addbmm_resizing_a_broadcast_self_runs_like_strict():
+    """addbmm_ on a self of shape (1,): the CPU kernel resizes self to the result's shape, the
+    meta kernel rejects the call; defer raised."""
+    check(lambda s, a, b: s.addbmm_(a, b), torch.randn(1), torch.randn(3, 5, 4), torch.randn(3, 4, 10))
+
+
+@pytest.mark.parametrize("op", ["native_batch_norm", "no_training"])
+def test_eval_batch_norm_saves_no_statistics(op):
+    """In eval mode the CPU kernel returns empty save_mean/save_invstd; the meta kernel one per
+    channel."""
+    if op == "native_batch_norm":
+        fn = lambda x, m, v: aten.native_batch_norm(x, None, None, m, v, False, 0.1, 1e-5)  # noqa: E731
+    else:
+        fn = lambda x, m, v: aten._native_batch_norm_legit_no_training(x, None, None, m, v, 0.1, 1e-5)  # noqa: E731
+    check(fn, torch.randn(3, 2, 4), torch.randn(2), torch.rand(2) + 0.5)
+
+
+@pytest.mark.parametrize("program, inputs", [
+    (lambda x: x.logit_(), (torch.tensor([1, 2]),)),
+    (lambda x, e: x.ldexp_(e), (torch.tensor([True, False]), torch.tensor([1, 2]))),
+    (lambda x, y, o: torch.add(x, y, out=o), (torch.randn(2), torch.randn(2), torch.empty(2, dtype=torch.long))),
+])
+def test_inplace_result_that_cannot_be_cast_raises(program, inputs):
+    check(program, *inputs)
+
+
+def test_nonzero_out_runs_eagerly():
+    check(lambda x, o: torch.nonzero(x * 2, out=o), torch.tensor([1.0, 0.0, 2.0]), torch.empty(0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("program", [
+    lambda a, b, o: torch.complex(a, b, out=o),
+    lambda a, b, o: torch.polar(a.abs(), b, out=o),
+    lambda a, b, o: o.copy_(torch.complex(a, b)),
+], ids=["complex_out", "polar_out", "copy_of_complex"])
+def test_complex_result_written_into_user_tensor(program):
+    """torch.complex's decomposition writes its result through view_as_real, a float32 view of
+    complex memory; reading the complex tensor then ignored those pending writes (garbage)."""
+    check(program, torch.randn(3), torch.randn(3), torch.empty(3, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("program", [
+    lambda x: torch.nonzero(x * 2),
+    lambda x: torch.masked_select(x, x > 0),
+    lambda x: torch.unique(x * 2),
+])
+def test_data_dependent_eager_ops_are_counted(program):
+    """Data-dependent ops ran in torch without being counted as fallbacks."""
+    x = torch.tensor([1.0, -1.0, 2.0, 1.0])
+    assert _fallback_reasons(program, x).get("data_dependent") == 1
+    check(program, x)
+
+
+def test_empty_is_not_counted():
+    assert _fallback_reasons(lambda x: torch.empty(3) + x, torch.ones(3)) == {}
