@@ -269,3 +269,16 @@ def test_storages_from_one_node_keep_one_signature():
                 values, indices = (x * 2).max(dim=0)
                 mean, var = torch.var_mean(x + 1, dim=1)
         assert deferfuse.stats()["compiles"] <= 1
+
+
+@pytest.mark.parametrize("program", [
+    lambda x: x.sum(0).conj(),
+    lambda x: (x * 2).conj() + 1,
+    lambda x: torch.fft.ifft(x.real * 3),
+    lambda x: x.sum(0).conj().imag,
+    lambda x: x.conj().add_(1j),
+    lambda x: x.conj().mul_(x * 2),
+])
+def test_conjugate_view_of_a_pending_complex_tensor(program):
+    # the conj bit was dropped: x.sum(0).conj() came back unconjugated
+    check(program, torch.randn(3, 4, dtype=torch.complex64))

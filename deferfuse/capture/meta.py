@@ -116,12 +116,8 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     reason: Optional[str] = None
     correction = _CPU_CORRECTIONS.get(op)
     if correction is not None and device.type == "cpu":
-        corrected = correction(outs, args, kwargs)
-        if corrected != outs:
-            # The lowering computes the meta kernel's outputs; torch's decomposition (which the
-            # recorder uses when there is no lowering) follows the CPU kernel.
-            outs, lowering = corrected, None
-            reason = "the meta kernel's output metadata differs from the CPU kernel's"
+        # (lowerings compute what the CPU kernel does, so they follow the corrected metadata)
+        outs = correction(outs, args, kwargs)
     tensor_outs = tuple(o for o in outs if o is not None)
     ctx = LoweringContext(op, args, kwargs, tensor_outs)
     if lowering is None:
@@ -184,6 +180,7 @@ def _eval_batch_norm(outs: tuple, args: tuple, kwargs: dict) -> tuple:
 _CPU_CORRECTIONS = {
     torch.ops.aten.native_batch_norm.default: _no_saved_stats_in_eval,
     torch.ops.aten._native_batch_norm_legit_no_training.default: _eval_batch_norm,
+    torch.ops.aten._native_batch_norm_legit.default: _no_saved_stats_in_eval,
 }
 
 

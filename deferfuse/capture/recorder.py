@@ -76,6 +76,10 @@ def _flat_meta(state: StorageState) -> TensorMeta:
     return TensorMeta((state.numel,), (1,), 0, state.dtype, state.device, state.numel)
 
 
+# Views that set a lazy bit (x.conj() of a complex tensor, the negation view autograd makes):
+# torch's schemas and tags do not mark them.
+_LAZY_BIT_VIEWS = frozenset({aten._conj.default, aten._neg_view.default})
+
 _UNKNOWN = object()
 _SPECIAL: dict = {}
 
@@ -161,6 +165,9 @@ class Recorder:
         if isinstance(t, DeferredTensor):
             state, m = t._storage, t._meta
         else:
+            if t.is_conj() or t.is_neg():
+                # a lazy conjugate/negative view: its values are not its memory's
+                t = self._resolved(t)
             state, m = self.state_of_real(t), TensorMeta.of(t)
         if state.epoch != self.epoch:
             self._enter_epoch(state)
@@ -170,6 +177,11 @@ class Recorder:
             value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m)).outputs[0]
             state.reads[m] = value
         return value, m
+
+    def _resolved(self, t: torch.Tensor) -> torch.Tensor:
+        (real,) = self.realize((t,), FlushReason.FALLBACK)
+        with no_dispatch():
+            return real.resolve_conj().resolve_neg()
 
     def write(self, target: torch.Tensor, value: Value) -> None:
         if isinstance(target, DeferredTensor):
@@ -328,6 +340,10 @@ class Recorder:
             # writes still go through the storage's state, and code that reads memory directly
             # (numpy(), C extensions) gets a real tensor rather than a data-less wrapper.
             return func(*args, **kwargs)
+        if func in _LAZY_BIT_VIEWS:
+            # the view's values are its input's, read through a conjugate or negative bit that
+            # the storage model does not carry: make the real view of the computed input
+            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
         vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
         if any(o.dtype != state.dtype for o in entry.tensor_outs):
@@ -340,7 +356,8 @@ class Recorder:
         functional = functional_variant(func)
         targets = _written_arguments(func, info, args, kwargs)
         if functional is None or any(
-                not isinstance(t, torch.Tensor) for t in targets):
+                not isinstance(t, torch.Tensor) or t.is_conj() or t.is_neg() for t in targets):
+            # (a write through a lazy conjugate or negative view stores conj(value) or -value)
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.NO_LOWERING)
         is_out = bool(set(info.written) & set(kwargs)) and "self" not in info.written
         if is_out:
@@ -515,19 +532,7 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
                 _flatten_detached(s)
             targets.append(s.contents[1])
         nodes = graph.ancestors(targets)
-        # also keep values that live tensors read, so they are not computed twice
-        node_ids = {n.id for n in nodes}
-        extra_states = []
-        if recorder is not None:
-            for p in recorder.pending_states():
-                # (a storage with real memory is written back only together with every pending
-                # reader of that memory, which is not this flush's business)
-                if p not in states and p.buffer is None and p.contents[1].node.id in node_ids:
-                    if p.contents[0] == "root" and not _is_plain_root(p):
-                        continue
-                    extra_states.append(p)
-                    targets.append(p.contents[1])
-        all_states = states + extra_states
+        all_states = states
         to_compute = [v for v in targets if v.result is None]
         trigger = user_source() if recorder is None or recorder.record_source else None
         computed = iter(runtime.execute(nodes, to_compute, reason.value, trigger) if to_compute else [])
@@ -587,7 +592,7 @@ def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[Storage
         for p in others:
             if _touches(p.contents[1].node, computed, written, touches):
                 chosen[id(p)] = p
-                computed |= _shared_work(graph.ancestors([p.contents[1]]))
+                _add_shared_work(p.contents[1].node, computed)
                 note_written(p)
                 grew = True
             else:
@@ -599,6 +604,19 @@ def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[Storage
 def _shared_work(nodes: list[Node]) -> set[int]:
     """Ids of the nodes whose work another storage could share: all but plain reads of memory."""
     return {n.id for n in nodes if not (n.op is graph.READ_VIEW and n.inputs[0].result is not None)}
+
+
+def _add_shared_work(root: Node, computed: set[int]) -> None:
+    """Add ``root`` and its pending ancestors to ``computed``, stopping at nodes already there
+    (their ancestors are too), so including many storages walks the graph once."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node.id in computed:
+            continue
+        if not (node.op is graph.READ_VIEW and node.inputs[0].result is not None):
+            computed.add(node.id)
+        stack.extend(v.node for v in node.inputs if v.result is None and v.node.id not in computed)
 
 
 def _touches(root: Node, computed: set[int], written: set[int], memo: dict[int, bool]) -> bool:
