@@ -21,17 +21,7 @@ from conformance import cases
 from conformance.subset import FAST_MAX_SAMPLES, FAST_OPS
 
 # "OpInfo|dtype|variant" -> why it fails today (the bug to fix, not a reason to keep it).
-KNOWN_FAILURES: dict[str, str] = {
-    **{f"nonzero|{d}|out": "nonzero(out=) is recorded instead of run eagerly: torch's meta kernel for "
-                           "nonzero raises NotImplementedError (data-dependent output shape), strict "
-                           "does not (capture/classify.py: the out= overload is not treated as DYNAMIC)"
-       for d in ("float32", "float64", "int64", "bool")},
-    **{f"gather|{d}|{v}": "gather of a 1-D input with an empty 2-D index (shape (2, 0)), which torch "
-                          "accepts: the lowering raises 'Too many indices: array is 1-dimensional, but 2 "
-                          "were indexed' (lower/movement.py, the gather rule)"
-       for d in ("float32", "float64", "int64", "bool") for v in ("function", "method", "out")},
-    "gather|float64|grad": "the same gather lowering bug (sample 4), reached from the forward pass",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=None)

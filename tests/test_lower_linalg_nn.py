@@ -383,6 +383,7 @@ AVG_POOLS = [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1),
              dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 1), ceil_mode=True),
              dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
              dict(kernel_size=2, divisor_override=3),
+             dict(kernel_size=2, divisor_override=-2),   # negative: divides by it, as torch does
              dict(kernel_size=4, stride=3, padding=2, ceil_mode=True)]
 
 
@@ -494,3 +495,57 @@ def test_binary_cross_entropy(reduction):
         F.binary_cross_entropy(p, t, w, reduction=reduction).backward(g)
         return outs + [p.grad]
     lowered(fn, p, t, w, pos, logits, g)
+
+
+# -- factorizations and solvers (LAPACK through XLA) ---------------------------------------------
+
+def _linalg_inputs(dtype):
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(4, 4, generator=g, dtype=dtype) + 4 * torch.eye(4, dtype=dtype)
+    batch = torch.randn(2, 3, 3, generator=g, dtype=dtype)
+    b = torch.randn(4, 2, generator=g, dtype=dtype)
+    return a, batch, b, torch.randn(5, 3, generator=g, dtype=dtype).t()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_linalg_factorizations_and_solves(dtype):
+    a, batch, b, wide = _linalg_inputs(dtype)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else {}
+
+    def fn(a, batch, b, wide):
+        lu, piv = torch.linalg.lu_factor(a)
+        return [
+            torch.linalg.inv_ex(a), torch.linalg.inv(batch),
+            torch.linalg.solve_triangular(a.triu(), b, upper=True),
+            torch.linalg.solve_triangular(a, b.t(), upper=False, left=False, unitriangular=True),
+            torch.linalg.solve_triangular(batch.tril(), batch[:1], upper=False),   # broadcast batch
+            torch.linalg.lu_factor_ex(batch), torch.linalg.lu_factor_ex(wide),
+            torch.linalg.lu_solve(lu, piv, b), torch.linalg.lu_solve(lu, piv, b, adjoint=True),
+            torch.linalg.lu_solve(lu, piv, b.t(), left=False),
+            torch.linalg.solve_ex(a, b), torch.linalg.solve(a, b[:, 0]), torch.linalg.solve(a, b.t(), left=False),
+            torch.linalg.qr(wide), torch.linalg.qr(wide.t(), mode="complete"), torch.linalg.qr(batch, mode="r")[1],
+        ]
+    lowered(fn, a, batch, b, wide, **tol)
+
+
+def test_linalg_empty_matrices_match_torch():
+    # torch answers these without LAPACK: an identity U for a 3x0 SVD, zero info, ...
+    lowered(lambda e, w, t: [torch.linalg.inv_ex(e), torch.linalg.svd(w), torch.linalg.svd(t, full_matrices=False),
+                             torch.linalg.qr(w, mode="complete"), torch.linalg.lu_factor_ex(e)],
+            torch.empty(0, 3, 3), torch.empty(3, 0), torch.empty(2, 0, 4, dtype=torch.float64))
+
+
+def test_linalg_singular_info_and_integer_errors():
+    singular = torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 1.0, 1.0]])
+    check(lambda s: [torch.linalg.lu_factor_ex(s)[2], torch.linalg.inv_ex(s)[1]], singular)
+    same_exception(lambda x: torch.linalg.inv(x), torch.ones(3, 3, dtype=torch.int64))
+
+
+def test_eigh_vectors_and_det_fall_back():
+    # eigenvector signs and the LU of singular matrices differ from torch's LAPACK: not lowered
+    x = torch.randn(3, 5, dtype=torch.float64)
+    deferfuse.reset_stats()
+    check(lambda x: [torch.linalg.eigh(x[:, :3] + x[:, :3].mT), torch.linalg.det(x[:, :3]),
+                     torch.linalg.svd(x), torch.linalg.svd(x.t(), full_matrices=False)], x)
+    fallbacks = deferfuse.stats()["fallbacks"]
+    assert all(any(name in op for op in fallbacks) for name in ("eigh", "det", "svd")), fallbacks

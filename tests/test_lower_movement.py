@@ -450,3 +450,37 @@ def test_half_precision(dtype):
     lowered(lambda x, i, s: (torch.cat([x, x.t().t()]), x.scatter_add(1, i, s), x.scatter_reduce(1, i, s, "mean"),
                              x.index_add(1, i[0, :6], s[:, :6]), torch.sort(x, stable=True), x[:, i[:2, :3]],
                              torch.nn.functional.pad(x, (1, 2), value=0.5)), x, idx, src, atol=1e-2, rtol=1e-2)
+
+
+def test_gather_with_empty_index_of_another_rank():
+    # torch accepts an empty index whose rank differs from the input's (OpInfo sample)
+    x = torch.randn(5)
+    for dtype in (torch.float32, torch.int64, torch.bool):
+        lowered(lambda x: (torch.gather(x, 0, torch.zeros(2, 0, dtype=torch.int64)),
+                           torch.gather(x, -1, torch.zeros(0, dtype=torch.int64))), x.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_masked_scatter(dtype):
+    x = sample(dtype, 3, 4)
+    mask = torch.rand(3, 4) > 0.5
+    source = sample(dtype, 4, 5)
+    lowered(lambda x, m, s: (x.masked_scatter(m, s),
+                             x.t().masked_scatter(m.t(), s),           # non-contiguous
+                             x.masked_scatter(m[0], s),                # broadcast mask
+                             x[0].masked_scatter(m, s),                # broadcast self
+                             x.masked_scatter(torch.zeros_like(m), s[:0]),   # nothing selected
+                             x[:0].masked_scatter(m[:0], s)), x, mask, source)
+
+
+def test_masked_scatter_errors_and_grad():
+    x, mask = torch.randn(3, 4), torch.ones(3, 4, dtype=torch.bool)
+    # too few source elements: a value-dependent error, raised when the computation runs
+    raises_alike(lambda x, m, s: x.masked_scatter(m, s) + 1, x, mask, torch.randn(5))
+    raises_alike(lambda x, m, s: x.masked_scatter(m, s), x, mask.long(), torch.randn(12))
+    raises_alike(lambda x, m, s: x.masked_scatter(m, s), x, mask, torch.randn(12, dtype=torch.float64))
+    xg = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    sg = torch.randn(2, 7, dtype=torch.float64, requires_grad=True)
+    m = torch.rand(3, 4) > 0.4
+    g = torch.randn(3, 4, dtype=torch.float64)
+    lowered(lambda x, s, m, g: torch.autograd.grad(x.masked_scatter(m, s), (x, s), g), xg, sg, m, g)

@@ -443,3 +443,98 @@ def test_backward_ops_directly():
         aten.logit_backward(g, y, 0.2), aten.softshrink_backward(g, x, 0.5), aten.hardshrink_backward(g, x, 0.5),
         aten.hardswish_backward(g, torch.tensor([-3.0, 3.0])), aten.hardsigmoid_backward(g, torch.tensor([-3.0, 3.0])),
     ), g, x, y)
+
+
+# -- complex casts and the prims that torch._refs decompositions emit ------------------------------
+COMPLEX_VALUES = torch.tensor([[0.5, -1.5, NAN], [INF, -0.0, 3.0]])
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64, torch.int64, torch.bool])
+def test_casts_to_and_from_complex(src):
+    x = (COMPLEX_VALUES if src.is_floating_point else COMPLEX_VALUES.nan_to_num().clamp(-9, 9)).to(src).t()
+    z = torch.complex(x.double(), -x.double())
+    lowered(lambda x, z: (x.cdouble(), x.cfloat(), x.to(torch.complex64).cdouble(), z.to(torch.float32),
+                          z.bool(), z.cfloat().long(), z.t().cfloat(), z.clone()), x, z)
+
+
+def test_prims_lower_through_the_aten_rules():
+    prims = torch.ops.prims
+    x, y = ordinary_floats(), special_floats()
+    i, j = ints(), ints(seed=5)
+    z = torch.complex(x, y.t().nan_to_num())
+    fns = {
+        "convert": lambda x, y, i, j, z: prims.convert_element_type(x, torch.int32),
+        "convert_complex": lambda x, y, i, j, z: prims.convert_element_type(z, torch.float64),
+        "clone": lambda x, y, i, j, z: prims.clone(y),
+        "add": lambda x, y, i, j, z: prims.add(x, y.t()),
+        "mul_complex": lambda x, y, i, j, z: prims.mul(z, z),
+        "add_complex": lambda x, y, i, j, z: prims.add(z, z.conj_physical()),
+        "sub_int": lambda x, y, i, j, z: prims.sub(i, j),
+        "div_int_truncates": lambda x, y, i, j, z: prims.div(i, j.masked_fill(j == 0, 3)),
+        "div_float": lambda x, y, i, j, z: prims.div(x, y.t()),
+        "neg_complex": lambda x, y, i, j, z: prims.neg(z),
+        "abs_complex": lambda x, y, i, j, z: prims.abs(z),
+        "conj": lambda x, y, i, j, z: prims.conj_physical(z),
+        "exp": lambda x, y, i, j, z: prims.exp(y),
+        "remainder": lambda x, y, i, j, z: prims.remainder(i, j.masked_fill(j == 0, 2)),
+        "where": lambda x, y, i, j, z: prims.where(x > 0, x, y.t()),
+    }
+    lowered_each(fns, x, y, i, j, z)
+
+
+def test_conj_physical_of_complex():
+    z = torch.complex(ordinary_floats(dtype=torch.float64), special_floats(torch.float64).t())
+    lowered(lambda z: (aten._conj_physical(z), aten._conj_physical(z.t()), aten._conj_physical(z.real)), z)
+
+
+def test_unsupported_dtype_is_a_lowering_error():
+    # complex32 has no JAX type: a clean LoweringError (eager replay outside always_compile),
+    # never a KeyError
+    from deferfuse.errors import LoweringError
+    from deferfuse.lower import dtypes
+    with pytest.raises(LoweringError, match="complex32"):
+        dtypes.to_jax(torch.complex32)
+
+
+# -- polygamma, zeta, incomplete gamma, gcd and lcm ------------------------------------------------
+SPECIAL_ARGS = torch.tensor([-8.3156849, -3.5, -2.0, -1.5, -0.5, -0.0, 0.0, 1e-3, 0.3, 1.0, 2.5, 10.0,
+                             100.0, NAN, INF, -INF])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_polygamma(dtype):
+    x = SPECIAL_ARGS.to(dtype)
+    lowered(lambda x: tuple(torch.polygamma(n, x) for n in range(5)) + (torch.polygamma(2, x[::2]),), x,
+            rtol=1e-5 if dtype == torch.float32 else 1e-7, atol=1e-5)
+
+
+def test_polygamma_of_integers_and_bools():
+    lowered(lambda i, b: (torch.polygamma(1, i), torch.polygamma(3, i), torch.special.polygamma(0, b)),
+            ints(low=1), bools())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zeta_and_incomplete_gamma(dtype):
+    a = SPECIAL_ARGS.to(dtype)[:, None]
+    b = SPECIAL_ARGS.to(dtype).flip(0)[None, :]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+    lowered(lambda a, b: (torch.special.zeta(a, b), torch.igamma(a.abs(), b.abs()),
+                          torch.igammac(a.abs(), b.abs()), torch.igamma(a, b), torch.igammac(a, b)),
+            a, b, **tol)
+    # 0-dim operands (the decomposition's meta inference used to reject them), Python scalars
+    lowered(lambda a, b: (torch.special.zeta(a[3, 0], b[0]), torch.igamma(a[9, 0], b[0].abs()),
+                          torch.igammac(a[:, 0].abs(), b[0, 9]), torch.special.zeta(2.0, b[0]),
+                          torch.special.zeta(a[:, 0], 3.0)), a, b, **tol)
+
+
+def test_zeta_of_integers():
+    lowered(lambda i, j: (torch.special.zeta(i, j), torch.special.zeta(i.abs() + 2, 1.5)), ints(), ints(seed=4))
+
+
+def test_gcd_lcm():
+    i, j = ints(low=-30, high=30), ints(low=-30, high=30, seed=6)
+    big = torch.tensor([2 ** 40, -(2 ** 40), 0, 12], dtype=torch.int64)
+    lowered(lambda i, j, big: (torch.gcd(i, j), torch.lcm(i, j), torch.gcd(i, j[0]), torch.lcm(i.t(), j[0, 0]),
+                               torch.gcd(i.to(torch.int32), j.to(torch.int16)), torch.gcd(big, big.flip(0)),
+                               torch.lcm(big, 6 + big.flip(0) * 0), torch.gcd(i[:0], j[:0])), i, j, big)
+    raises_like_strict(lambda x: torch.gcd(x, x), ordinary_floats())

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from ..errors import LoweringError
+
 TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
     torch.bool: jnp.dtype(jnp.bool_),
     torch.uint8: jnp.dtype(jnp.uint8),
@@ -26,12 +28,26 @@ TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
 JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in TORCH_TO_JAX.items()}
 
 
+class UnsupportedDtypeError(LoweringError):
+    """A dtype with no JAX equivalent (complex32, the float8 and quantized types) reached XLA.
+
+    Checkers decline such calls; this is the clear error for one that did not.  It is a
+    ``LoweringError``, so outside ``always_compile`` the graph replays eagerly in torch, which
+    computes the result or raises torch's own error for the dtype."""
+
+
 def to_jax(dtype: torch.dtype) -> np.dtype:
-    return TORCH_TO_JAX[dtype]
+    try:
+        return TORCH_TO_JAX[dtype]
+    except KeyError:
+        raise UnsupportedDtypeError(f"dtype {dtype} has no JAX equivalent") from None
 
 
 def to_torch(dtype) -> torch.dtype:
-    return JAX_TO_TORCH[jnp.dtype(dtype)]
+    try:
+        return JAX_TO_TORCH[jnp.dtype(dtype)]
+    except KeyError:
+        raise UnsupportedDtypeError(f"JAX dtype {jnp.dtype(dtype)} has no torch equivalent") from None
 
 
 def is_supported(dtype: torch.dtype) -> bool:

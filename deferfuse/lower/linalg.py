@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from jax import lax
 
+from . import dtypes as _dtypes
+from ..ir.meta import TensorMeta
 from .registry import LoweringContext, lowering, replay_on_cpu
 
 aten = torch.ops.aten
@@ -179,3 +181,200 @@ def trilinear(ctx, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     if not sumdim:
         return product
     return product.sum(axis=tuple(sorted(set(sumdim))))
+
+
+# -- factorizations and solvers ------------------------------------------------------------------
+# XLA's CPU backend runs these through LAPACK (getrf, geqrf, gesdd, syevd, trsm), as torch's CPU
+# kernels do, so the factors agree, including the signs of Householder reflectors and singular
+# vectors, which the sweep compares raw.  Only real float32/float64 matrices are lowered; torch
+# rejects integer ones (the meta kernels may not), complex ones decline.  Empty matrices decline
+# (LAPACK-free shortcuts in torch that are not worth modelling).  ``check_errors=True`` declines:
+# torch raises from the info it computes, which stays torch's job.
+#
+# Not lowered, measured: eigh's eigenvectors and SVD's singular vectors (signs differ), _linalg_det and
+# _linalg_slogdet (their LU of singular matrices differs from torch's, which det's backward reads).
+#
+# LU conventions are LAPACK's: ``A = P L U`` with 1-based int32 ``pivots`` (row i was swapped
+# with row pivots[i] - 1), ``info`` = the 1-based index of the first zero pivot, or 0.
+
+_LINALG_DTYPES = frozenset({torch.float32, torch.float64})
+
+
+def _check_linalg(ctx: LoweringContext) -> Optional[str]:
+    metas = ctx.tensor_args()
+    if any(t.dtype.is_complex for t in metas) or any(o.dtype.is_complex for o in ctx.out if o is not None):
+        return "complex linalg is not lowered"
+    floats = [t for t in metas if t.dtype.is_floating_point]
+    if not floats or not {t.dtype for t in floats} <= _LINALG_DTYPES:
+        return raise_like_cpu(ctx)
+    if any(0 in t.shape for t in metas) and not _all_empty(ctx):
+        return "an empty operand with non-empty ones is not lowered"
+    if ctx.kwargs.get("check_errors"):
+        return "check_errors: torch raises from its own info"
+    if ctx.kwargs.get("driver") is not None:
+        return "a LAPACK driver choice is not lowered"
+    return None
+
+
+def _all_empty(ctx: LoweringContext) -> bool:
+    return all(0 in o.shape for o in ctx.out if o is not None) or \
+        all(0 in t.shape for t in ctx.tensor_args())
+
+
+def _empty_call(ctx: LoweringContext):
+    """The results of a call with no data in: zeros where every output is empty, else constants
+    (an identity U for a 3x0 SVD, ...) computed by torch itself on empty tensors."""
+    if all(0 in o.shape for o in ctx.out if o is not None):
+        return tuple(jnp.zeros(o.shape, _dtypes.to_jax(o.dtype)) for o in ctx.out)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def real(a):
+        if isinstance(a, TensorMeta):
+            return torch.empty(a.shape, dtype=a.dtype)
+        return a
+    with _disable_current_modes(), torch.no_grad():
+        outs = ctx.op(*[real(a) for a in ctx.args], **{k: real(v) for k, v in ctx.kwargs.items()})
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return tuple(jnp.asarray(o.numpy()) for o in outs)
+
+
+def _linalg_rule(rule):
+    """A rule that answers calls without data (every input or every output empty) from
+    _empty_call: LAPACK-free shortcuts that torch takes and jnp need not reproduce."""
+    import functools
+
+    @functools.wraps(rule)
+    def wrapped(ctx, *args, **kwargs):
+        if any(0 in t.shape for t in ctx.tensor_args()):
+            outs = _empty_call(ctx)
+            return outs if len(outs) > 1 else outs[0]
+        return rule(ctx, *args, **kwargs)
+    return wrapped
+
+
+def _check_pivoted(ctx: LoweringContext) -> Optional[str]:
+    if ctx.kwargs.get("pivot") is False:
+        return "LU without pivoting is not lowered"
+    return _check_linalg(ctx)
+
+
+def _broadcast_batch(a, b):
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
+
+
+def _lu(a):
+    """(LU, 1-based int32 pivots, int32 info) as LAPACK's getrf returns them."""
+    lu, pivots, _ = lax.linalg.lu(a)
+    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    zero = diag == 0
+    info = jnp.where(jnp.any(zero, axis=-1), jnp.argmax(zero, axis=-1) + 1, 0).astype(jnp.int32)
+    return lu, pivots.astype(jnp.int32) + 1, info
+
+
+def _lu_solve(lu, pivots0, b, transpose: bool):
+    """Solve ``A x = b`` (``A^T x = b`` with ``transpose``) from A's LU factors; b is (..., n, k)."""
+    lu, b = _broadcast_batch(lu, b)
+    n = lu.shape[-1]
+    perm = lax.linalg.lu_pivots_to_permutation(jnp.broadcast_to(pivots0, lu.shape[:-2] + pivots0.shape[-1:]), n)
+    solve = lax.linalg.triangular_solve
+    if not transpose:
+        x = jnp.take_along_axis(b, perm[..., :, None], axis=-2)
+        x = solve(lu, x, left_side=True, lower=True, unit_diagonal=True)
+        return solve(lu, x, left_side=True, lower=False)
+    x = solve(lu, b, left_side=True, lower=False, transpose_a=True)
+    x = solve(lu, x, left_side=True, lower=True, transpose_a=True, unit_diagonal=True)
+    inverse = jnp.argsort(perm, axis=-1)
+    return jnp.take_along_axis(x, inverse[..., :, None], axis=-2)
+
+
+@lowering(aten.linalg_solve_triangular.default, check=_check_linalg)
+@_linalg_rule
+def solve_triangular(ctx, a, b, *, upper, left=True, unitriangular=False):
+    a, b = _broadcast_batch(a, b)
+    return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper,
+                                       unit_diagonal=unitriangular)
+
+
+@lowering(aten.linalg_lu_factor_ex.default, check=_check_pivoted)
+@_linalg_rule
+def lu_factor_ex(ctx, a, *, pivot=True, check_errors=False):
+    return _lu(a)
+
+
+@lowering(aten.linalg_lu_solve.default, check=_check_linalg)
+@_linalg_rule
+def lu_solve(ctx, lu, pivots, b, *, left=True, adjoint=False):
+    pivots0 = pivots.astype(jnp.int32) - 1
+    if left:
+        return _lu_solve(lu, pivots0, b, transpose=adjoint)
+    # X A = B  <=>  A^T X^T = B^T;  X A^T = B  <=>  A X^T = B^T
+    return jnp.swapaxes(_lu_solve(lu, pivots0, jnp.swapaxes(b, -1, -2), transpose=not adjoint), -1, -2)
+
+
+@lowering(aten.linalg_inv_ex.default, check=_check_linalg)
+@_linalg_rule
+def inv_ex(ctx, a, *, check_errors=False):
+    lu, pivots, info = _lu(a)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    return _lu_solve(lu, pivots - 1, eye, transpose=False), info
+
+
+@lowering(aten._linalg_solve_ex.default, check=_check_linalg)
+@_linalg_rule
+def solve_ex(ctx, a, b, *, left=True, check_errors=False):
+    lu, pivots, info = _lu(a)
+    # torch's vector case: B is 1-D, or A's shape without its last dim
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    rhs = (b[..., None] if left else b[..., None, :]) if vector else b
+    if left:
+        x = _lu_solve(lu, pivots - 1, rhs, transpose=False)
+    else:
+        x = jnp.swapaxes(_lu_solve(lu, pivots - 1, jnp.swapaxes(rhs, -1, -2), transpose=True), -1, -2)
+    if vector:
+        x = x[..., 0] if left else x[..., 0, :]
+    return jnp.broadcast_to(x, ctx.out[0].shape), lu, pivots, info
+
+
+@lowering(aten.linalg_qr.default, check=_check_linalg)
+@_linalg_rule
+def qr(ctx, a, mode="reduced"):
+    if mode == "r":
+        r = jnp.linalg.qr(a, mode="r")
+        return jnp.zeros(ctx.out[0].shape, a.dtype), r
+    return tuple(jnp.linalg.qr(a, mode=mode))
+
+
+def _check_svdvals(ctx: LoweringContext) -> Optional[str]:
+    compute_uv = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("compute_uv", True)
+    if compute_uv and not _all_empty(ctx):
+        # measured: the singular vectors' signs of a 3x5 matrix differ from torch's gesdd
+        return "singular vector signs differ from torch's LAPACK"
+    return _check_linalg(ctx)
+
+
+@lowering(aten._linalg_svd.default, check=_check_svdvals)
+@_linalg_rule
+def svd(ctx, a, full_matrices=False, compute_uv=True, *, driver=None):
+    if not compute_uv:
+        s = jnp.linalg.svd(a, compute_uv=False)
+        return jnp.zeros(ctx.out[0].shape, a.dtype), s, jnp.zeros(ctx.out[2].shape, a.dtype)
+    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
+    return u, s, vh
+
+
+def _check_eigvalsh(ctx: LoweringContext) -> Optional[str]:
+    compute_v = ctx.args[2] if len(ctx.args) > 2 else ctx.kwargs.get("compute_v", True)
+    if compute_v:
+        # measured: syevd's eigenvector signs differ between jaxlib's LAPACK and torch's
+        return "eigenvector signs differ from torch's LAPACK"
+    return _check_linalg(ctx)
+
+
+@lowering(aten._linalg_eigh.default, check=_check_eigvalsh)
+@_linalg_rule
+def eigh(ctx, a, UPLO="L", compute_v=True):
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    if not compute_v:
+        return w, jnp.zeros(ctx.out[1].shape, a.dtype)
+    return w, v

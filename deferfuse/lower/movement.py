@@ -15,7 +15,7 @@ from jax import lax
 
 from ..ir.meta import TensorMeta
 from . import views as _views
-from .registry import bounds_check, lowering
+from .registry import bounds_check, lowering, replay_on_cpu, runtime_check
 
 aten = torch.ops.aten
 
@@ -286,6 +286,9 @@ def _at_least_1d(*xs):
 
 @lowering(aten.gather.default)
 def gather(ctx, x, dim, index, sparse_grad=False):
+    if index.size == 0:
+        # torch accepts an empty index of any rank (a 1-D input with a (2, 0) index)
+        return jnp.zeros(ctx.out_shape, x.dtype)
     x1, index1 = _at_least_1d(x, index)
     dim = _dim(dim, x.ndim)
     out = x1.at[_along(index1, dim, x1.shape[dim])].get(mode="clip")
@@ -574,6 +577,44 @@ def index_reduce(ctx, x, dim, index, source, reduce, *, include_self=True):
 @lowering(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def masked_fill(ctx, x, mask, value):
     return jnp.where(mask, _fill(value, x.dtype), x)
+
+
+def _check_masked_scatter(ctx):
+    from . import dtypes as _dtypes
+    if any(not _dtypes.is_supported(m.dtype) for m in ctx.tensor_args()):
+        return "dtype has no JAX equivalent"
+    if all(m.device.type == "cpu" for m in ctx.tensor_args()):
+        replay_on_cpu(ctx, empty=True)   # torch's dtype errors (non-bool mask), on the user's line
+    return None
+
+
+@lowering(aten.masked_scatter.default, check=_check_masked_scatter)
+def masked_scatter(ctx, x, mask, source):
+    # the k-th True of the (broadcast) mask, in row-major order, takes source.flatten()[k]
+    shape = ctx.out_shape
+    flat = jnp.broadcast_to(x, shape).reshape(-1)
+    m = jnp.broadcast_to(mask, shape).reshape(-1)
+    src = source.reshape(-1)
+    position = jnp.cumsum(m.astype(jnp.int64)) - 1
+    runtime_check(m & (position >= src.shape[0]), RuntimeError,
+                  "Number of elements of source < number of ones in mask")
+    if src.shape[0] == 0:
+        values = jnp.zeros_like(flat)
+    else:
+        values = src[jnp.clip(position, 0, src.shape[0] - 1)].astype(flat.dtype)
+    return jnp.where(m, values, flat).reshape(shape)
+
+
+@lowering(aten.masked_scatter_backward.default, check=_check_masked_scatter)
+def masked_scatter_backward(ctx, grad_output, mask, sizes):
+    # the gradient at the k-th True of the mask goes to source.flatten()[k]; the rest of the
+    # source gets zeros
+    g = grad_output.reshape(-1)
+    m = jnp.broadcast_to(mask, grad_output.shape).reshape(-1)
+    numel = _numel(ctx.out_shape)
+    position = jnp.where(m, jnp.cumsum(m.astype(jnp.int64)) - 1, numel)
+    out = jnp.zeros((numel,), g.dtype).at[position].set(g, mode="drop")
+    return out.reshape(ctx.out_shape)
 
 
 @lowering(aten.take.default)

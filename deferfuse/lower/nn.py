@@ -316,8 +316,9 @@ def _avg_divisors(h, w, oh, ow, kernel, stride, pad, count_include_pad, divisor_
     pool_h, h0, h1 = bounds(h, oh, kernel[0], stride[0], pad[0])
     pool_w, w0, w1 = bounds(w, ow, kernel[1], stride[1], pad[1])
     if divisor_override:
-        divisor = np.full((oh, ow), divisor_override, np.int64)
-    elif count_include_pad:
+        # any nonzero value, negative ones included (torch divides by -2 as asked)
+        return np.full((oh, ow), divisor_override, np.int64)
+    if count_include_pad:
         divisor = pool_h[:, None] * pool_w[None, :]
     else:
         divisor = (h1 - h0)[:, None] * (w1 - w0)[None, :]

@@ -43,6 +43,14 @@ def _dtype_reason(ctx):
     return None
 
 
+def _supported_dtypes(ctx):
+    """For rules that handle complex values too (casts, copies, conj)."""
+    for m in [*ctx.tensor_args(), *ctx.out]:
+        if not _dtypes.is_supported(m.dtype):
+            return f"dtype {m.dtype} has no JAX equivalent"
+    return None
+
+
 def _probe(ctx):
     """Raise what torch's CPU kernel raises for these dtypes and static arguments.  Its dtype
     checks fire even on empty tensors, which keeps the probe cheap and free of data errors
@@ -481,6 +489,160 @@ for _op, _fn in _FLOAT_BINARY.items():
     lowering(_op, check=_check)(_float_binary_rule(_fn))
 
 
+# -- special functions of two arguments -----------------------------------------------------------
+def _trigamma(x):
+    # torch's calc_trigamma term by term: reflection below 1/2, six recurrence steps, then the
+    # asymptotic series
+    pi = math.pi
+    reflect = x < 0.5
+    sin_pi_x = jnp.sin(pi * x)
+    result = jnp.where(reflect, -(pi * pi) / (sin_pi_x * sin_pi_x), jnp.zeros_like(x))
+    x = jnp.where(reflect, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    result = result + (1 + 1 / (2 * x) + ixx * (1 / 6 - ixx * (1 / 30 - ixx * (1 / 42)))) / x
+    return jnp.where(reflect, -result, result)
+
+
+_ZETA_A = (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
+           -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15,
+           1.8152105401943546773e17, -7.1661652561756670113e18)
+_MACHEP = 1.11022302462515654042e-16
+
+
+def _cephes_zeta(x, q):
+    """torch's zeta series (Cephes), elementwise in float64: direct terms until q + i > 9 (and at
+    least nine), then Euler-Maclaurin.  JAX's zeta takes a fixed number of direct terms, which
+    loses all accuracy for q below about -8."""
+    def active(c):
+        i, a, _, _, done = c
+        return ~done & ((i < 9) | (a <= 9))
+
+    def body(c):
+        i, a, b, s, done = c
+        on = active(c)
+        a2 = a + 1
+        b2 = a2 ** -x
+        s2 = s + b2
+        converged = (-_MACHEP * s2 < b2) & (b2 < _MACHEP * s2)
+        return (jnp.where(on, i + 1, i), jnp.where(on, a2, a), jnp.where(on, b2, b),
+                jnp.where(on, s2, s), done | (on & converged))
+
+    zeros = jnp.zeros_like(q)
+    start = (zeros.astype(jnp.int32), q, zeros, q ** -x, jnp.zeros(q.shape, jnp.bool_))
+    _, a, b, s, done = lax.while_loop(lambda c: jnp.any(active(c)), body, start)
+    w = a
+    s = jnp.where(done, s, s + b * w / (x - 1) - 0.5 * b)
+    factor, k = jnp.ones_like(q), 0.0
+    for coefficient in _ZETA_A:
+        factor = factor * (x + k)
+        b = b / w
+        t = factor * b / coefficient
+        s2 = s + t
+        s = jnp.where(done, s, s2)
+        done = done | (jnp.abs(t / s2) < _MACHEP)
+        k += 1
+        factor = factor * (x + k)
+        b = b / w
+        k += 1
+    return s
+
+
+def _hurwitz_zeta(x, q):
+    """torch's zeta(x, q), special cases in its order: inf at x == 1, nan for x < 1, inf at the
+    poles q = 0, -1, ..., nan for other q <= 0 unless x is an integer.  Computed in float64."""
+    dtype = x.dtype
+    x, q = x.astype(jnp.float64), q.astype(jnp.float64)
+    pole = (q <= 0) & (q == jnp.floor(q))
+    undefined = (x <= 1) | pole | (x != x) | (q != q) | (x == jnp.inf)
+    z = _cephes_zeta(jnp.where(undefined, 2.0, x), jnp.where(undefined, 1.0, q))
+    # x = inf: q ** -x is 1 at q == 1, inf below, and the series gives nan above
+    z = jnp.where(x == jnp.inf, jnp.where(q == 1, 1.0, jnp.where(q < 1, jnp.inf, jnp.nan)), z)
+    z = jnp.where((x != x) | (q != q), jnp.nan, z)
+    z = jnp.where((q <= 0) & ~pole & (x != jnp.floor(x)), jnp.nan, z)
+    z = jnp.where(pole, jnp.inf, z)
+    z = jnp.where(x < 1, jnp.nan, z)
+    return jnp.where(x == 1, jnp.inf, z).astype(dtype)
+
+
+@lowering(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar, check=_check)
+def special_zeta(ctx, x, q):
+    return _hurwitz_zeta(*jnp.broadcast_arrays(*_through(ctx.out_dtype, x, q)))
+
+
+@lowering(aten.polygamma.default, check=_check)
+def polygamma(ctx, n, x):
+    x = _through(ctx.out_dtype, x)
+    if n == 0:
+        return _digamma(x)
+    if n == 1:
+        return _trigamma(x)
+    # torch: (-1) ** (n + 1) * n! * zeta(n + 1, x)
+    sign = 1.0 if n % 2 else -1.0
+    factor = sign * math.exp(math.lgamma(n + 1.0))
+    return factor * _hurwitz_zeta(jnp.full_like(x, n + 1.0), x)
+
+
+def _igamma_edges(a, x, value, upper):
+    """torch's calc_igamma/calc_igammac special cases; ``value`` is JAX's result elsewhere."""
+    nan = jnp.full_like(value, jnp.nan)
+    lower_value = jnp.where(
+        (a < 0) | (x < 0), nan,
+        jnp.where(a == 0, jnp.where(x > 0, 1.0, nan),
+                  jnp.where(x == 0, 0.0,
+                            jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), nan, 0.0),
+                                      jnp.where(jnp.isinf(x), 1.0, value)))))
+    if not upper:
+        return lower_value.astype(value.dtype)
+    # igammac: 1 - igamma at the special points, JAX's value elsewhere
+    special = (a < 0) | (x < 0) | (a == 0) | (x == 0) | jnp.isinf(a) | jnp.isinf(x)
+    return jnp.where(special, 1 - lower_value, value).astype(value.dtype)
+
+
+@lowering(aten.igamma.default, check=_check)
+def igamma(ctx, a, x):
+    a, x = jnp.broadcast_arrays(*_through(ctx.out_dtype, a, x))
+    return _igamma_edges(a, x, jax_special.gammainc(a, x), upper=False)
+
+
+@lowering(aten.igammac.default, check=_check)
+def igammac(ctx, a, x):
+    a, x = jnp.broadcast_arrays(*_through(ctx.out_dtype, a, x))
+    return _igamma_edges(a, x, jax_special.gammaincc(a, x), upper=True)
+
+
+def _gcd(a, b):
+    # Euclid on absolute values, as torch's calc_gcd
+    a, b = jnp.abs(a), jnp.abs(b)
+
+    def cond(carry):
+        return jnp.any(carry[0] != 0)
+
+    def body(carry):
+        x, y = carry
+        nonzero = x != 0
+        safe = jnp.where(nonzero, x, 1)
+        return jnp.where(nonzero, y % safe, x), jnp.where(nonzero, x, y)
+
+    _, g = lax.while_loop(cond, body, (a, b))
+    return g
+
+
+@lowering(aten.gcd.default, check=_check)
+def gcd(ctx, a, b):
+    return _gcd(*jnp.broadcast_arrays(*_promoted(ctx, a, b)))
+
+
+@lowering(aten.lcm.default, check=_check)
+def lcm(ctx, a, b):
+    a, b = jnp.broadcast_arrays(*_promoted(ctx, a, b))
+    g = _gcd(a, b)
+    # torch: g == 0 ? 0 : abs(a / g * b)
+    return jnp.where(g == 0, 0, jnp.abs(lax.div(a, jnp.where(g == 0, 1, g)) * b)).astype(a.dtype)
+
+
 @lowering(aten.nextafter.default, check=_check)
 def nextafter(ctx, x, y):
     # in the tensors' own dtype: the next float16 after x is not the next float32
@@ -636,13 +798,24 @@ def addcdiv(ctx, x, t1, t2, *, value=1):
 
 
 # -- casts and copies ------------------------------------------------------------------------------
-@lowering(aten._to_copy.default, check=_dtype_reason)
+def _convert_any(x, dt):
+    """``_convert`` that also takes complex values: to a real dtype torch keeps the real part
+    (to bool: nonzero real or imaginary part)."""
+    dt = jnp.dtype(dt)
+    if jnp.iscomplexobj(x) and not jnp.issubdtype(dt, jnp.complexfloating):
+        if dt == jnp.bool_:
+            return x != 0
+        x = jnp.real(x)
+    return _convert(x, dt)
+
+
+@lowering(aten._to_copy.default, check=_supported_dtypes)
 def to_copy(ctx, x, **_ignored):
     # layout, device and memory format do not change values; the core lays the result out
-    return _convert(x, ctx.out_dtype)
+    return _convert_any(x, ctx.out_dtype)
 
 
-@lowering(aten.clone.default, check=_dtype_reason)
+@lowering(aten.clone.default, check=_supported_dtypes)
 def clone(ctx, x, **_ignored):
     return x
 
@@ -676,6 +849,12 @@ def fill(ctx, x, value):
     value = jnp.asarray(value)
     _check_value_fits(value, ctx.out_dtype)
     return jnp.broadcast_to(_convert(value, ctx.out_dtype), x.shape)
+
+
+@lowering(aten._conj_physical.default, check=_supported_dtypes)
+def conj_physical(ctx, x):
+    # complex conjugate, exact; the identity for real dtypes
+    return jnp.conj(x) if jnp.iscomplexobj(x) else x
 
 
 @lowering(aten.zero.default, check=_dtype_reason)

@@ -475,10 +475,12 @@ def _batch_norm_apply(x, mean_, invstd, weight, bias):
 
 
 def _batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
+    """(output, save_mean, save_invstd): in eval mode torch's CPU kernel saves no statistics."""
     acc = _acc_dtype(x.dtype)
     mean_ = running_mean.astype(acc)
     invstd = 1 / jnp.sqrt(running_var.astype(acc) + jnp.asarray(eps, acc))
-    return _batch_norm_apply(x, mean_, invstd, weight, bias), mean_, invstd
+    nothing = jnp.zeros((0,), acc)
+    return _batch_norm_apply(x, mean_, invstd, weight, bias), nothing, nothing
 
 
 def _batch_norm_train(x, weight, bias, eps, running=()):
