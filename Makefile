@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deep demo bench conformance clean
+.PHONY: install test test-deep demo bench bench-train conformance clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run
+
+# The GPT training step (issue 6): strict vs defer vs torch.compile vs JAX, interleaved.
+# BENCH_TRAIN_ARGS adds options, e.g. BENCH_TRAIN_ARGS="--quick" or "--only strict,defer".
+bench-train: $(STAMP)
+	$(PY) -m bench.train_gpt $(BENCH_TRAIN_ARGS)
 
 # The OpInfo conformance sweep (docs/conformance.md): every OpInfo x dtype x variant, strict vs
 # defer.  CONFORMANCE_ARGS adds options, e.g. CONFORMANCE_ARGS="--max-samples 0" for every sample.
