@@ -135,3 +135,22 @@ def test_data_dependent_eager_ops_are_counted(program):
 
 def test_empty_is_not_counted():
     assert _fallback_reasons(lambda x: torch.empty(3) + x, torch.ones(3)) == {}
+
+
+def test_inplace_whose_functional_form_orders_arguments_differently():
+    # polygamma_(self, n) is polygamma(n, self): it ran eagerly, unmatched
+    deferfuse.reset_stats()
+    check(lambda x: x.polygamma_(2), torch.linspace(0.5, 3, 6))
+    assert deferfuse.stats()["fallbacks"] == {}
+
+
+@pytest.mark.parametrize("program, shape", [
+    (lambda x: x.squeeze_(1).mul_(2), (2, 1, 3)),
+    (lambda x: (x.t_(), x.add_(1), x.transpose_(0, 1), x * 3), (2, 3)),
+    (lambda x: (x.mul_(2), x.unsqueeze_(0), x.as_strided_((3, 2), (1, 3)), x + 1), (2, 3)),
+])
+def test_inplace_view_of_a_plain_tensor_is_metadata_only(program, shape):
+    # squeeze_/t_/as_strided_ on a user tensor flushed everything and counted a fallback
+    deferfuse.reset_stats()
+    check(program, torch.arange(6.0).reshape(shape))
+    assert deferfuse.stats()["fallbacks"] == {}

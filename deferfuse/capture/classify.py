@@ -139,6 +139,7 @@ def functional_variant(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverl
             continue
         if op_info(candidate).written:
             continue
-        if _argument_signature(candidate, frozenset()) == wanted:
+        # (same arguments, possibly in another order: polygamma_(self, n) and polygamma(n, self))
+        if sorted(_argument_signature(candidate, frozenset())) == sorted(wanted):
             return candidate
     return None

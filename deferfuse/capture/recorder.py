@@ -370,6 +370,7 @@ class Recorder:
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
         if info.pointwise or functional is aten.copy.default:
             _check_no_partial_overlap(targets, args, kwargs)
+        f_args, f_kwargs = _rebind(func, functional, f_args, f_kwargs)
         results = self.dispatch_functional(functional, f_args, f_kwargs)
         results = results if isinstance(results, (tuple, list)) else (results,)
         for target, result in zip(targets, results):
@@ -428,7 +429,12 @@ class Recorder:
         """
         target = args[0]
         if not isinstance(target, DeferredTensor):
-            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.INPLACE_VIEW)
+            if any(isinstance(t, DeferredTensor) for t in _tensors_in(args[1:], kwargs)):
+                return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.INPLACE_VIEW)
+            # Metadata only: the storage, and what is pending for it, stay as they are (pending
+            # contents are kept in storage terms, reads are keyed by the reader's metadata).
+            with no_dispatch():
+                return func(*args, **kwargs)
         if any(isinstance(a, torch.Tensor) for a in _tensors_in(args[1:], kwargs)):
             raise NotImplementedError(
                 f"{func} re-points a deferred tensor at other memory, which deferfuse does not support; "
@@ -712,6 +718,19 @@ def _check_no_partial_overlap(targets: list, args: tuple, kwargs: dict) -> None:
                     "unsupported operation: some elements of the input tensor and the written-to "
                     "tensor refer to a single memory location. Please clone() the tensor before "
                     "performing the operation.")
+
+
+def _rebind(op, functional, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of ``op`` in the order of its functional variant, which may differ
+    (polygamma_(self, n) is polygamma(n, self))."""
+    names = [a.name for a in op._schema.arguments]
+    f_names = [a.name for a in functional._schema.arguments if not a.kwarg_only]
+    if names[:len(f_names)] == f_names:
+        return args, kwargs
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    positional = tuple(bound.pop(n) for n in f_names if n in bound)
+    return positional, bound
 
 
 def _type_name(dtype: torch.dtype) -> str:
