@@ -483,3 +483,99 @@ def test_fused_reductions_in_one_graph():
         return s.sum(0), s.amax(-1), s.cumsum(0).logsumexp(0), torch.var_mean(s, 0)
 
     lowered(f, x)
+
+
+# -- scans and selections with indices: cummax/cummin, median, mode, kthvalue --------------------
+# torch's CPU kernels decide which index wins among tied values; the inputs are small integers
+# (many ties), with NaN, -0.0 next to 0.0, infinities and all-NaN rows.
+
+def _ties():
+    g = _gen(3)
+    x = torch.randint(0, 3, (6, 9), generator=g).double()
+    x[0, 2] = x[1, ::2] = nan
+    x[2] = nan
+    x[3, 1], x[3, 5], x[4, 4], x[4, 6] = -0.0, -0.0, inf, -inf
+    return {
+        "f64": x,
+        "f32_t": x.float().t(),
+        "i64": torch.randint(-2, 3, (5, 7), generator=g),
+        "bool": torch.randint(0, 2, (4, 6), generator=g).bool(),
+        "0d": torch.tensor(1.5),
+        "empty": torch.empty(0, 4),
+        "nan16": torch.where(torch.rand(8, 16, generator=g) < 0.3, nan,
+                             torch.randint(0, 3, (8, 16), generator=g).float()),
+        "f16": torch.randint(0, 3, (4, 5), generator=g).half(),
+    }
+
+
+TIES = _ties()
+SELECTIONS = {
+    "cummax": lambda x: (torch.cummax(x, 0), torch.cummax(x, -1)),
+    "cummin": lambda x: (torch.cummin(x, 0), torch.cummin(x, -1)),
+    "median_dim": lambda x: (torch.median(x, 0), torch.median(x, -1, keepdim=True)),
+    "nanmedian_dim": lambda x: (torch.nanmedian(x, 0, keepdim=True), torch.nanmedian(x, -1)),
+    "mode": lambda x: (torch.mode(x, 0), torch.mode(x, -1, keepdim=True)),
+    "kthvalue": lambda x: tuple(torch.kthvalue(x, k, d, keepdim=k == 1)
+                                for d in (0, -1) for k in sorted({1, 2, x.shape[d] if x.ndim else 1})
+                                if k <= (x.shape[d] if x.ndim else 1)),
+}
+
+
+@pytest.mark.parametrize("op", list(SELECTIONS))
+@pytest.mark.parametrize("name", list(TIES))
+def test_selection_ties_match_torch(op, name):
+    x = TIES[name]
+    if name == "empty" and op in ("median_dim", "nanmedian_dim", "mode", "kthvalue"):
+        lowered(lambda x: SELECTIONS[op](x.t()), x, exact=True)    # reduce the non-empty dim
+        lowered(SELECTIONS[op], x, exact=True)                     # strict raises for dim 0
+        return
+    if name == "bool" and op in ("median_dim", "nanmedian_dim", "kthvalue"):
+        lowered(SELECTIONS[op], x)                                 # strict raises: not for Bool
+        return
+    lowered(SELECTIONS[op], x, exact=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 16, 40])
+def test_selections_random_ties(n):
+    g = _gen(n)
+    x = torch.randint(0, 4, (12, n), generator=g).float()
+    x = torch.where(torch.rand(12, n, generator=g) < 0.2, nan, x)
+    x[::4] = torch.where(x[::4] == 1, -0.0, x[::4])
+    ks = sorted({1, (n + 1) // 2, n})
+    fns = [lambda x: torch.cummax(x, 1), lambda x: torch.cummin(x, 1),
+           lambda x: torch.median(x, 1), lambda x: torch.nanmedian(x, 1),
+           lambda x: [torch.kthvalue(x, k, 1) for k in ks]]
+    if n <= 16:
+        fns.append(lambda x: torch.mode(x, 1))
+    lowered_all(fns, x, exact=True)
+
+
+def test_full_median_and_logcumsumexp():
+    fns = [torch.median, torch.nanmedian]
+    for name in ("f64", "f32_t", "i64", "0d", "nan16", "f16"):
+        lowered_all(fns, TIES[name], exact=True)
+    x = FLOATS["nan_inf"]
+    lowered_all([torch.median, torch.nanmedian], x[2:], exact=True)   # all -inf
+    lowered_all([torch.median, torch.nanmedian], torch.full((3,), nan), exact=True)
+    lowered_all([torch.median, torch.nanmedian], FLOATS["empty"])      # nan
+    lowered_all([torch.median, torch.nanmedian], torch.empty(0, dtype=torch.int64))
+    lowered(torch.median, INTS["bool"])                                # strict raises
+    for name in ("2d", "0d", "empty", "transposed", "3d_f64", "nan_inf", "f16", "bf16"):
+        lowered_all([lambda x: torch.logcumsumexp(x, 0), lambda x: torch.logcumsumexp(x, -1)],
+                    FLOATS[name], **({"rtol": 1e-2, "atol": 1e-2} if name in ("f16", "bf16") else {}))
+    big = torch.tensor([[1e30, -1e30, inf, 3.0, -inf, nan, 2.0], [-inf, -inf, 0.0, inf, inf, 1.0, -inf]])
+    lowered(lambda x: torch.logcumsumexp(x, 1), big)
+    lowered(lambda x: torch.logcumsumexp(x, 0), INTS["i64"])          # strict raises for Long
+
+
+def test_long_rows_decline_mode_and_kthvalue():
+    # mode over > 16 elements (std::sort is unstable there) and kthvalue over > 1024 elements
+    # run torch's kernels: counted fallbacks with the same results
+    x = torch.randint(0, 3, (2, 17), generator=_gen(5)).float()
+    deferfuse.reset_stats()
+    check(lambda x: torch.mode(x, 1), x, exact=True)
+    assert deferfuse.stats()["fallbacks"] == {"aten.mode.default": 1}
+    deferfuse.reset_stats()
+    y = torch.randint(0, 3, (2, 1025), generator=_gen(6))
+    check(lambda y: torch.kthvalue(y, 7, 1), y, exact=True)
+    assert deferfuse.stats()["fallbacks"] == {"aten.kthvalue.default": 1}

@@ -15,6 +15,7 @@ Conventions:
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -225,10 +226,10 @@ def nll_loss_backward(ctx, grad_output, x, target, weight, reduction, ignore_ind
 
 # -- pooling -------------------------------------------------------------------------------------
 
-def _pool_params(kernel_size, stride, padding, dilation=1):
-    kernel = _tuple(kernel_size, 2)
-    stride = _tuple(stride, 2) if stride else kernel   # an empty stride means the kernel size
-    return kernel, stride, _tuple(padding, 2), _tuple(dilation, 2)
+def _pool_params(kernel_size, stride, padding, dilation=1, nd=2):
+    kernel = _tuple(kernel_size, nd)
+    stride = _tuple(stride, nd) if stride else kernel   # an empty stride means the kernel size
+    return kernel, stride, _tuple(padding, nd), _tuple(dilation, nd)
 
 
 def _windows(in_size: int, out_size: int, kernel: int, stride: int, pad: int, dilation: int):
@@ -237,17 +238,18 @@ def _windows(in_size: int, out_size: int, kernel: int, stride: int, pad: int, di
     return taps, (taps >= 0) & (taps < in_size)
 
 
-def _padded_taps(x, kernel, stride, pad, dilation, out_hw, fill):
-    """The kernel taps as strided slices of ``x`` padded with ``fill``: a list over (kh, kw) of
-    arrays shaped like the output."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw), (oh, ow) = kernel, stride, pad, dilation, out_hw
-    h, w = x.shape[-2:]
-    need_h, need_w = (oh - 1) * sh + (kh - 1) * dh + 1, (ow - 1) * sw + (kw - 1) * dw + 1
-    lead = [(0, 0)] * (x.ndim - 2)
-    x = jnp.pad(x, lead + [(ph, max(0, need_h - ph - h)), (pw, max(0, need_w - pw - w))],
+def _padded_taps(x, kernel, stride, pad, dilation, out_sizes, fill):
+    """The kernel taps as strided slices of ``x`` padded with ``fill``: a list over the kernel
+    offsets (row-major, last spatial dim fastest) of arrays shaped like the output."""
+    nd = len(out_sizes)
+    sizes = x.shape[-nd:]
+    need = [(o - 1) * s + (k - 1) * d + 1 for o, s, k, d in zip(out_sizes, stride, kernel, dilation)]
+    lead = [(0, 0)] * (x.ndim - nd)
+    x = jnp.pad(x, lead + [(p, max(0, n - p - size)) for p, n, size in zip(pad, need, sizes)],
                 constant_values=fill)
-    return [x[..., i * dh:i * dh + (oh - 1) * sh + 1:sh, j * dw:j * dw + (ow - 1) * sw + 1:sw]
-            for i in range(kh) for j in range(kw)]
+    return [x[(...,) + tuple(slice(i * d, i * d + (o - 1) * s + 1, s)
+                             for i, d, o, s in zip(offset, dilation, out_sizes, stride))]
+            for offset in itertools.product(*(range(k) for k in kernel))]
 
 
 def _check_pool(ctx: LoweringContext) -> Optional[str]:
@@ -256,7 +258,8 @@ def _check_pool(ctx: LoweringContext) -> Optional[str]:
     if x.dtype.is_complex:
         return "complex pooling is not lowered"
     integer_ok = {aten.max_pool2d_with_indices.default: True,
-                  aten.avg_pool2d.default: x.dtype == torch.int64}.get(ctx.op, False)
+                  aten.avg_pool2d.default: x.dtype == torch.int64,
+                  aten.avg_pool3d.default: x.dtype == torch.int64}.get(ctx.op, False)
     if x.dtype == torch.bool or not (x.dtype.is_floating_point or integer_ok):
         return raise_like_cpu(ctx)   # e.g. "avg_pool2d" not implemented for 'Byte'
     return None
@@ -306,54 +309,52 @@ def max_pool2d_with_indices_backward(ctx, grad_output, x, kernel_size, stride, p
     return grad.reshape(x.shape)
 
 
-def _avg_divisors(h, w, oh, ow, kernel, stride, pad, count_include_pad, divisor_override):
-    """torch's avg_pool2d divisor for each output position (shape (oh, ow))."""
-    def bounds(size, out, k, s, p):
-        start = np.arange(out) * s - p
-        end = np.minimum(start + k, size + p)
-        pool = end - start
-        return pool, np.maximum(start, 0), np.minimum(end, size)
-    pool_h, h0, h1 = bounds(h, oh, kernel[0], stride[0], pad[0])
-    pool_w, w0, w1 = bounds(w, ow, kernel[1], stride[1], pad[1])
+def _avg_divisors(in_sizes, out_sizes, kernel, stride, pad, count_include_pad, divisor_override):
+    """torch's avg_pool divisor for each output position (shape ``out_sizes``)."""
     if divisor_override:
         # any nonzero value, negative ones included (torch divides by -2 as asked)
-        return np.full((oh, ow), divisor_override, np.int64)
-    if count_include_pad:
-        divisor = pool_h[:, None] * pool_w[None, :]
-    else:
-        divisor = (h1 - h0)[:, None] * (w1 - w0)[None, :]
+        return np.full(tuple(out_sizes), divisor_override, np.int64)
+    divisor = np.ones((), np.int64)
+    for axis, (size, out, k, s, p) in enumerate(zip(in_sizes, out_sizes, kernel, stride, pad)):
+        start = np.arange(out) * s - p
+        end = np.minimum(start + k, size + p)
+        length = end - start if count_include_pad else np.minimum(end, size) - np.maximum(start, 0)
+        divisor = divisor[..., None] * length
     # a window entirely in the padding sums nothing; torch writes 0 there
     return np.where(divisor > 0, divisor, 1)
 
 
-def _avg_pool(x, out_hw, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    kernel, stride, pad, _ = _pool_params(kernel_size, stride, padding)
-    (h, w), (oh, ow) = x.shape[-2:], out_hw
-    taps = _padded_taps(_acc(x), kernel, stride, pad, (1, 1), (oh, ow), 0)
+def _avg_pool(x, out_sizes, kernel_size, stride, padding, ceil_mode, count_include_pad,
+              divisor_override):
+    nd = len(out_sizes)
+    kernel, stride, pad, _ = _pool_params(kernel_size, stride, padding, nd=nd)
+    taps = _padded_taps(_acc(x), kernel, stride, pad, (1,) * nd, out_sizes, 0)
     total = taps[0]
     for t in taps[1:]:
         total = total + t
-    divisor = jnp.asarray(_avg_divisors(h, w, oh, ow, kernel, stride, pad, count_include_pad,
-                                        divisor_override), total.dtype)
+    divisor = jnp.asarray(_avg_divisors(x.shape[-nd:], out_sizes, kernel, stride, pad,
+                                        count_include_pad, divisor_override), total.dtype)
     if jnp.issubdtype(total.dtype, jnp.integer):
         return lax.div(total, jnp.broadcast_to(divisor, total.shape))   # C++ division truncates
     return total / divisor
 
 
-@lowering(aten.avg_pool2d.default, check=_check_pool)
-def avg_pool2d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-               divisor_override=None):
-    return _avg_pool(x, ctx.out_shape[-2:], kernel_size, stride, padding, ceil_mode,
+@lowering(aten.avg_pool2d.default, aten.avg_pool3d.default, check=_check_pool)
+def avg_pool(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+             divisor_override=None):
+    nd = 3 if ctx.op is aten.avg_pool3d.default else 2
+    return _avg_pool(x, ctx.out_shape[-nd:], kernel_size, stride, padding, ceil_mode,
                      count_include_pad, divisor_override)
 
 
-@lowering(aten.avg_pool2d_backward.default, check=_check_pool)
-def avg_pool2d_backward(ctx, grad_output, x, kernel_size, stride, padding, ceil_mode,
-                        count_include_pad, divisor_override):
+@lowering(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default, check=_check_pool)
+def avg_pool_backward(ctx, grad_output, x, kernel_size, stride, padding, ceil_mode,
+                      count_include_pad, divisor_override):
+    nd = 3 if ctx.op is aten.avg_pool3d_backward.default else 2
     g = _acc(grad_output)
 
     def forward(x):
-        return _avg_pool(x, g.shape[-2:], kernel_size, stride, padding, ceil_mode,
+        return _avg_pool(x, g.shape[-nd:], kernel_size, stride, padding, ceil_mode,
                          count_include_pad, divisor_override)
     return jax.vjp(forward, _acc(x))[1](g)[0]
 
@@ -370,26 +371,34 @@ def _adaptive_windows(in_size: int, out_size: int):
     return np.minimum(taps, in_size - 1), inside, end - start
 
 
-def _adaptive_avg_pool(x, out_hw):
-    (h, w), (oh, ow) = x.shape[-2:], out_hw
-    rows, row_in, row_len = _adaptive_windows(h, oh)
-    cols, col_in, col_len = _adaptive_windows(w, ow)
+def _adaptive_avg_pool(x, out_sizes):
+    """Sum each window one spatial dim at a time (the windows are a product of per-dim ranges),
+    then divide by the window's size."""
+    nd = len(out_sizes)
     x = _acc(x)
-    patches = x[..., rows[:, :, None, None], cols[None, None, :, :]]   # (..., oh, kh, ow, kw)
-    inside = row_in[:, :, None, None] & col_in[None, None, :, :]
-    total = jnp.where(inside, patches, jnp.zeros((), x.dtype)).sum(axis=(-3, -1))
-    return total / jnp.asarray(row_len[:, None] * col_len[None, :], x.dtype)
+    divisor = np.ones((), np.int64)
+    for axis, out in zip(range(x.ndim - nd, x.ndim), out_sizes):
+        taps, inside, length = _adaptive_windows(x.shape[axis], out)
+        shape = (1,) * axis + taps.shape + (1,) * (x.ndim - axis - 1)
+        patches = jnp.take(x, jnp.asarray(taps.reshape(-1)), axis=axis)
+        patches = patches.reshape(x.shape[:axis] + taps.shape + x.shape[axis + 1:])
+        x = jnp.where(inside.reshape(shape), patches, jnp.zeros((), x.dtype)).sum(axis=axis + 1)
+        divisor = divisor[..., None] * length
+    return x / jnp.asarray(divisor, x.dtype)
 
 
-@lowering(aten._adaptive_avg_pool2d.default, check=_check_pool)
-def adaptive_avg_pool2d(ctx, x, output_size):
-    return _adaptive_avg_pool(x, ctx.out_shape[-2:])
+@lowering(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default, check=_check_pool)
+def adaptive_avg_pool(ctx, x, output_size):
+    nd = 3 if ctx.op is aten._adaptive_avg_pool3d.default else 2
+    return _adaptive_avg_pool(x, ctx.out_shape[-nd:])
 
 
-@lowering(aten._adaptive_avg_pool2d_backward.default, check=_check_pool)
-def adaptive_avg_pool2d_backward(ctx, grad_output, x):
+@lowering(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default,
+          check=_check_pool)
+def adaptive_avg_pool_backward(ctx, grad_output, x):
+    nd = 3 if ctx.op is aten._adaptive_avg_pool3d_backward.default else 2
     g = _acc(grad_output)
-    return jax.vjp(lambda x: _adaptive_avg_pool(x, g.shape[-2:]), _acc(x))[1](g)[0]
+    return jax.vjp(lambda x: _adaptive_avg_pool(x, g.shape[-nd:]), _acc(x))[1](g)[0]
 
 
 # -- nearest upsampling --------------------------------------------------------------------------
