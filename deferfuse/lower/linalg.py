@@ -191,8 +191,11 @@ def trilinear(ctx, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
 # (LAPACK-free shortcuts in torch that are not worth modelling).  ``check_errors=True`` declines:
 # torch raises from the info it computes, which stays torch's job.
 #
-# Not lowered, measured: eigh's eigenvectors and SVD's singular vectors (signs differ), _linalg_det and
-# _linalg_slogdet (their LU of singular matrices differs from torch's, which det's backward reads).
+# Not lowered, measured: eigh's eigenvectors and SVD's singular vectors (signs differ: torch's MKL
+# and jaxlib's LAPACK choose them differently).  Under a dispatch mode torch's svdvals and
+# eigvalsh always ask for the vectors (isTensorSubclassLike is true while a mode is active), so
+# they decline too.  (_linalg_det/_linalg_slogdet once seemed to differ on singular matrices: torch
+# factors A^T for contiguous A, which _lu_det_parts now does too.)
 #
 # LU conventions are LAPACK's: ``A = P L U`` with 1-based int32 ``pivots`` (row i was swapped
 # with row pivots[i] - 1), ``info`` = the 1-based index of the first zero pivot, or 0.
@@ -378,3 +381,238 @@ def eigh(ctx, a, UPLO="L", compute_v=True):
     if not compute_v:
         return w, jnp.zeros(ctx.out[1].shape, a.dtype)
     return w, v
+
+
+# -- pseudo-inverse, Cholesky, triangular solves, LU unpacking, determinants ---------------------
+# Every result here is unique (no sign or basis choice), so any correct LAPACK agrees with torch's
+# MKL up to rounding.  The pseudo-inverse follows torch's own composition: tolerances compared in
+# the promoted type of (atol, rtol, S), and singular values (eigenvalues' magnitudes with
+# ``hermitian``) at or below the tolerance dropped.
+
+def _tol_tensor(ctx, name):
+    value = ctx.kwargs.get(name)
+    return value if isinstance(value, TensorMeta) else None
+
+
+def _check_pinv(ctx: LoweringContext) -> Optional[str]:
+    for name in ("atol", "rtol"):
+        t = _tol_tensor(ctx, name)
+        if t is not None and (t.dtype.is_complex or not t.dtype.is_floating_point):
+            return raise_like_cpu(ctx) if t.dtype.is_complex else "a non-float tolerance is not lowered"
+    return _check_linalg(ctx)
+
+
+@lowering(aten.linalg_pinv.atol_rtol_tensor, check=_check_pinv)
+@_linalg_rule
+def pinv(ctx, a, *, atol=None, rtol=None, hermitian=False):
+    m, n = a.shape[-2:]
+    f64 = jnp.float64
+    if atol is None:
+        atol = jnp.zeros((), f64)
+    if rtol is None:
+        default = jnp.asarray(float(np.finfo(_dtypes.to_jax(ctx.args[0].dtype)).eps) * max(m, n), f64)
+        # torch: an explicit atol > 0 without rtol means rtol = 0
+        rtol = default if ctx.kwargs.get("atol") is None else jnp.where(atol > 0, jnp.zeros((), f64), default)
+    if hermitian:
+        s, u = jnp.linalg.eigh(a, UPLO="L", symmetrize_input=False)
+        s_abs = jnp.abs(s)
+        top = jnp.max(s_abs, axis=-1, keepdims=True)
+    else:
+        u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+        s_abs = s
+        top = s[..., :1]
+    tol = jnp.maximum(atol[..., None], rtol[..., None] * top)
+    keep = s_abs > tol
+    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
+    ut = jnp.swapaxes(u, -1, -2)
+    if hermitian:
+        out = jnp.matmul(u * s_inv[..., None, :], ut, precision=_HIGHEST)
+    else:
+        out = jnp.matmul(jnp.swapaxes(vh, -1, -2) * s_inv[..., None, :], ut, precision=_HIGHEST)
+    return jnp.broadcast_to(out, ctx.out_shape)
+
+
+def _cholesky_left_looking(a):
+    """(factor, info) as LAPACK's unblocked potf2 (lower) leaves them, which is what torch's MKL
+    returns for a matrix that is not positive-definite: the columns before the failing one
+    factored, the failing pivot's diagonal holding ``a_jj - L_j L_j^T`` (not its square root),
+    everything after it untouched; ``info`` the 1-based order of the first failing minor."""
+    n = a.shape[-1]
+    idx = jnp.arange(n)
+    work = jnp.tril(a)
+    info = jnp.zeros(a.shape[:-2], jnp.int32)
+
+    def body(j, state):
+        work, info = state
+        before = idx < j
+        lj = jnp.where(before, work[..., j, :], 0)                         # L[j, :j]
+        ajj = work[..., j, j] - jnp.sum(lj * lj, axis=-1)
+        running = info == 0
+        ok = running & (ajj > 0)                                           # NaN fails
+        root = jnp.sqrt(jnp.where(ok, ajj, 1))
+        below = jnp.where(before[None, :], work, 0)
+        col = (work[..., :, j] - jnp.matmul(below, lj[..., :, None], precision=_HIGHEST)[..., 0]) / root[..., None]
+        col = jnp.where(idx > j, col, 0)
+        col = jnp.where(idx == j, jnp.where(ok, root, ajj)[..., None], col)
+        new = jnp.where(ok[..., None], col, jnp.where((idx == j) & running[..., None], ajj[..., None], work[..., :, j]))
+        work = work.at[..., :, j].set(new)
+        info = jnp.where(running & ~ok, j + 1, info).astype(jnp.int32)
+        return work, info
+    return lax.fori_loop(0, n, body, (work, info))
+
+
+def _cholesky(a, upper: bool):
+    """torch's cholesky_ex: (L or U, int32 info).  ``upper`` reads only A's upper triangle."""
+    if upper:
+        a = jnp.swapaxes(a, -1, -2)
+    fast = lax.linalg.cholesky(a, symmetrize_input=False)
+
+    def good(_):
+        return jnp.tril(fast), jnp.zeros(a.shape[:-2], jnp.int32)
+
+    def bad(_):   # some matrix is not positive-definite: torch's partial factors and info
+        return _cholesky_left_looking(a)
+    factor, info = lax.cond(jnp.all(jnp.isfinite(fast)), good, bad, None)
+    return (jnp.swapaxes(factor, -1, -2) if upper else factor), info
+
+
+# Measured on torch 2.13 (MKL): up to this order the factor of a matrix that is not
+# positive-definite is potf2's (see _cholesky_left_looking); above it MKL's blocked potrf leaves
+# another partial factor, which we do not model, so those calls decline.
+_CHOLESKY_UNBLOCKED_MAX = 128
+
+
+def _check_cholesky_ex(ctx: LoweringContext) -> Optional[str]:
+    if ctx.args[0].shape[-1] > _CHOLESKY_UNBLOCKED_MAX:
+        return "cholesky_ex above order 128: MKL's partial factor of a non-positive-definite matrix is not modelled"
+    return _check_linalg(ctx)
+
+
+@lowering(aten.linalg_cholesky_ex.default, check=_check_cholesky_ex)
+@_linalg_rule
+def cholesky_ex(ctx, a, *, upper=False, check_errors=False):
+    return _cholesky(a, upper)
+
+
+def _linalg_error(info, name: str):
+    from .registry import runtime_check
+    runtime_check(info > 0, torch.linalg.LinAlgError,
+                  f"{name}: The factorization could not be completed because the input is not "
+                  "positive-definite (the leading minor of order {value} is not positive-definite).",
+                  info)
+
+
+@lowering(aten.cholesky.default, check=_check_linalg)
+@_linalg_rule
+def cholesky(ctx, a, upper=False):
+    factor, info = _cholesky(a, upper)
+    _linalg_error(info, "cholesky")
+    return factor
+
+
+def _triangle(t, upper: bool):
+    return jnp.triu(t) if upper else jnp.tril(t)
+
+
+@lowering(aten.cholesky_inverse.default, check=_check_linalg)
+@_linalg_rule
+def cholesky_inverse(ctx, factor, upper=False):
+    from .registry import runtime_check
+    n = factor.shape[-1]
+    diag = jnp.diagonal(factor, axis1=-2, axis2=-1)
+    zero = diag == 0
+    runtime_check(jnp.any(zero, axis=-1), torch.linalg.LinAlgError,
+                  "cholesky_inverse: The diagonal element {value} is zero, the inversion could not "
+                  "be completed because the input matrix is singular.",
+                  jnp.argmax(zero, axis=-1) + 1)
+    eye = jnp.broadcast_to(jnp.eye(n, dtype=factor.dtype), factor.shape)
+    inv = lax.linalg.triangular_solve(factor, eye, left_side=True, lower=not upper)
+    if upper:    # A = U^T U: A^-1 = U^-1 U^-T
+        return jnp.matmul(inv, jnp.swapaxes(inv, -1, -2), precision=_HIGHEST)
+    return jnp.matmul(jnp.swapaxes(inv, -1, -2), inv, precision=_HIGHEST)    # A = L L^T
+
+
+@lowering(aten.cholesky_solve.default, check=_check_linalg)
+@_linalg_rule
+def cholesky_solve(ctx, b, factor, upper=False):
+    factor, b = _broadcast_batch(factor, b)
+    solve = lax.linalg.triangular_solve
+    # A = L L^T (lower) or U^T U (upper): solve with the first factor, then its transpose
+    y = solve(factor, b, left_side=True, lower=not upper, transpose_a=upper)
+    return solve(factor, y, left_side=True, lower=not upper, transpose_a=not upper)
+
+
+@lowering(aten.triangular_solve.default, check=_check_linalg)
+@_linalg_rule
+def triangular_solve(ctx, b, a, upper=True, transpose=False, unitriangular=False):
+    a, b = _broadcast_batch(a, b)
+    x = lax.linalg.triangular_solve(a, b, left_side=True, lower=not upper, transpose_a=transpose,
+                                    unit_diagonal=unitriangular)
+    return x, a
+
+
+def _check_lu_unpack(ctx: LoweringContext) -> Optional[str]:
+    data, pivots = ctx.args[0], ctx.args[1]
+    if data.dtype.is_complex:
+        return "complex linalg is not lowered"
+    if data.dtype not in _LINALG_DTYPES:
+        return "lu_unpack of non-float data is not lowered"
+    if pivots.dtype != torch.int32:
+        return raise_like_cpu(ctx)
+    if any(0 in t.shape for t in ctx.tensor_args()) and not _all_empty(ctx):
+        return "an empty operand with non-empty ones is not lowered"
+    return None
+
+
+@lowering(aten.lu_unpack.default, check=_check_lu_unpack)
+@_linalg_rule
+def lu_unpack(ctx, lu, pivots, unpack_data=True, unpack_pivots=True):
+    from .registry import runtime_check
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    p_meta, l_meta, u_meta = ctx.out
+    outs = []
+    if unpack_pivots and 0 not in p_meta.shape:
+        runtime_check((pivots < 1) | (pivots > m), RuntimeError,
+                      "pivots passed to lu_unpack must be between 1 and LU.size(-2) inclusive."
+                      "Did you properly pass the result of lu_factor?")
+        perm = lax.linalg.lu_pivots_to_permutation(jnp.clip(pivots.astype(jnp.int32) - 1, 0, m - 1), m)
+        # A = P L U: row i of P^T A is row perm[i] of A, so P[perm[i], i] = 1
+        p = (perm[..., None, :] == jnp.arange(m)[:, None]).astype(lu.dtype)
+        outs.append(jnp.broadcast_to(p, p_meta.shape))
+    else:
+        outs.append(jnp.zeros(p_meta.shape, lu.dtype))
+    if unpack_data and 0 not in l_meta.shape + u_meta.shape:
+        lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+        outs += [lower, jnp.triu(lu[..., :k, :])]
+    else:
+        outs += [jnp.zeros(l_meta.shape, lu.dtype), jnp.zeros(u_meta.shape, lu.dtype)]
+    return tuple(outs)
+
+
+def _lu_det_parts(ctx, a):
+    # torch factors A^T when A is contiguous (det A^T = det A; it saves LAPACK a copy), and
+    # returns that LU, which det's backward reads
+    if ctx.args[0].to_meta_tensor().is_contiguous():
+        a = jnp.swapaxes(a, -1, -2)
+    lu, pivots, _ = _lu(a)
+    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    swaps = jnp.sum(pivots != jnp.arange(1, a.shape[-1] + 1, dtype=jnp.int32), axis=-1)
+    perm_sign = jnp.where(swaps % 2 == 1, -1, 1).astype(a.dtype)
+    return lu, pivots, diag, perm_sign
+
+
+@lowering(aten._linalg_det.default, check=_check_linalg)
+@_linalg_rule
+def det(ctx, a):
+    lu, pivots, diag, perm_sign = _lu_det_parts(ctx, a)
+    return perm_sign * jnp.prod(diag, axis=-1), lu, pivots
+
+
+@lowering(aten._linalg_slogdet.default, check=_check_linalg)
+@_linalg_rule
+def slogdet(ctx, a):
+    lu, pivots, diag, perm_sign = _lu_det_parts(ctx, a)
+    sign = perm_sign * jnp.prod(jnp.sign(diag), axis=-1)
+    logabsdet = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
+    return sign, logabsdet, lu, pivots
