@@ -71,3 +71,17 @@ def check(fn: Callable[..., Any], *inputs: Any, exact: bool = False, **tol) -> A
     assert_same(expected, actual, exact=exact, **tol)
     assert_same(strict_inputs, defer_inputs, exact=exact, path="inputs after", **tol)
     return actual
+
+
+def lowered(fn: Callable[..., Any], *inputs: Any, compared: bool = False, **tol) -> Any:
+    """check(), and assert that every op was lowered directly: nothing fell back to eager torch
+    or went through a torch._decomp decomposition.  ``compared``: also assert that strict did not
+    raise (so values, not just exception types, were compared)."""
+    deferfuse.reset_stats()
+    out = check(fn, *inputs, **tol)
+    if compared:
+        assert out is not None, "strict raised: nothing was compared"
+    stats = deferfuse.stats()
+    assert not stats["fallbacks"], f"fell back: {stats['fallbacks']}"
+    assert not stats["decompositions"], f"decomposed: {stats['decompositions']}"
+    return out

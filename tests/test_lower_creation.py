@@ -9,20 +9,14 @@ import torch
 
 import deferfuse
 from oracle import check, run_both
+from oracle import lowered as _lowered
 
 INT_FLOAT_BOOL = [torch.bool, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64]
 
 
 def lowered(fn, *inputs, **tol):
-    """check(), and assert that every op was lowered directly (no fallback, no decomposition)."""
-    deferfuse.reset_stats()
-    out = check(fn, *inputs, **tol)
-    assert out is not None, "strict raised: nothing was compared"
-    stats = deferfuse.stats()
-    assert not stats["fallbacks"], stats["fallbacks"]
-    assert not stats["decompositions"], stats["decompositions"]
-    return out
+    return _lowered(fn, *inputs, compared=True, **tol)
 
 
 def same_layout(fn, *inputs):

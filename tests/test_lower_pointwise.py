@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import deferfuse
-from oracle import check
+from oracle import check, lowered
 
 aten = torch.ops.aten
 NAN, INF = math.nan, math.inf
@@ -27,14 +27,6 @@ def _no_disk_cache():
     # compile what the rules say now: the disk cache's key does not cover the lowering code
     with deferfuse.config.override(cache_dir=""):
         yield
-
-
-def lowered(fn, *inputs, **tol):
-    deferfuse.reset_stats()
-    check(fn, *inputs, **tol)
-    stats = deferfuse.stats()
-    assert not stats["fallbacks"], f"fell back: {stats['fallbacks']}"
-    assert not stats["decompositions"], f"decomposed: {stats['decompositions']}"
 
 
 def _runs(fn, *args) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import deferfuse
-from oracle import check
+from oracle import check, lowered
 
 NAN, INF = math.nan, math.inf
 S = torch.special
@@ -20,14 +20,6 @@ S = torch.special
 def _no_disk_cache():
     with deferfuse.config.override(cache_dir=""):
         yield
-
-
-def lowered(fn, *inputs, **tol):
-    deferfuse.reset_stats()
-    check(fn, *inputs, **tol)
-    stats = deferfuse.stats()
-    assert not stats["fallbacks"], f"fell back: {stats['fallbacks']}"
-    assert not stats["decompositions"], f"decomposed: {stats['decompositions']}"
 
 
 POLYNOMIALS = [S.chebyshev_polynomial_t, S.chebyshev_polynomial_u, S.chebyshev_polynomial_v,

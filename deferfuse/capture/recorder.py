@@ -674,15 +674,8 @@ def _release(nodes: list[Node]) -> None:
 
 
 def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    """c10's ``is_non_overlapping_and_dense``: the strides of the dims of size > 1, in increasing
-    order, are those of a contiguous tensor of some permutation of the shape."""
-    dims = sorted(((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1))
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    """c10's ``is_non_overlapping_and_dense``."""
+    return (t._meta if isinstance(t, DeferredTensor) else TensorMeta.of(t)).is_dense
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
