@@ -154,3 +154,4 @@ def test_inplace_view_of_a_plain_tensor_is_metadata_only(program, shape):
     deferfuse.reset_stats()
     check(program, torch.arange(6.0).reshape(shape))
     assert deferfuse.stats()["fallbacks"] == {}
+

@@ -484,3 +484,11 @@ def test_masked_scatter_errors_and_grad():
     m = torch.rand(3, 4) > 0.4
     g = torch.randn(3, 4, dtype=torch.float64)
     lowered(lambda x, s, m, g: torch.autograd.grad(x.masked_scatter(m, s), (x, s), g), xg, sg, m, g)
+
+
+def test_masked_scatter_with_zero_dim_self_and_mask():
+    # the checker's dtype-only replay gave the 0-dim mask a True element and the 1-d source none,
+    # and raised "Number of elements of source < number of ones in mask" (masked_select's grad)
+    lowered(lambda x, m, s: x.masked_scatter(m, s), torch.tensor(1.5), torch.tensor(True), torch.randn(1))
+    xg = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    check(lambda x: torch.autograd.grad(torch.masked_select(x, torch.tensor(True)).sum(), x), xg)

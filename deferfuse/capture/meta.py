@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ..ir.meta import TensorMeta
+from ..lower import dtypes as _dtypes
 from ..lower.registry import Lowering, LoweringContext, RuntimeScalar, get_lowering
 from ..stats import STATS
 
@@ -122,6 +123,9 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     ctx = LoweringContext(op, args, kwargs, tensor_outs)
     if lowering is None:
         reason = reason or "no lowering"
+    elif not all(_dtypes.is_supported(m.dtype) for m in (*ctx.tensor_args(), *tensor_outs)):
+        # (complex32 and friends: no rule can compute them; torch's kernel raises or runs)
+        reason, lowering = NO_JAX_DTYPE, None
     elif lowering.check is not None:
         reason = lowering.check(ctx)
         if reason is not None:
@@ -132,6 +136,10 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
 
 
 _SMALL = 1 << 16
+
+# the reason of calls with a dtype JAX lacks: they run torch's own kernel, not a decomposition
+# (whose parts would meet the same dtype, or compute what torch's kernel refuses to)
+NO_JAX_DTYPE = "a dtype with no JAX equivalent"
 
 
 def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> bool:

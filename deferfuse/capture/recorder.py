@@ -321,7 +321,7 @@ class Recorder:
         return _restructure(info, self._fresh_outputs(entry, node))
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
-        decomposition = _decomposition(func)
+        decomposition = None if entry is not None and entry.reason == meta_.NO_JAX_DTYPE else _decomposition(func)
         if decomposition is not None:
             with self.mode.recording():
                 result = decomposition(*args, **kwargs)

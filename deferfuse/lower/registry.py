@@ -149,7 +149,9 @@ def replay_on_cpu(ctx: "LoweringContext", *, empty: bool = False) -> str:
     def stand_in(a: Any) -> Any:
         if isinstance(a, TensorMeta):
             if empty:
-                return torch.ones((0,) * len(a.shape), dtype=a.dtype)
+                # (a 0-dim stand-in keeps one element: False for a bool, which selects nothing
+                # in a mask, and 1 otherwise, which divides without error)
+                return (torch.zeros if a.dtype is torch.bool else torch.ones)((0,) * len(a.shape), dtype=a.dtype)
             return torch.zeros((), dtype=a.dtype).expand(a.shape)
         if isinstance(a, RuntimeScalar):
             return a.value
