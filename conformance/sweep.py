@@ -195,6 +195,18 @@ def versions() -> dict[str, str]:
             "python": sys.version.split()[0]}
 
 
+# Why the failures that remain fail, by OpInfo (investigated; printed under the failures table).
+FAILURE_CAUSES = {
+    "linalg.matrix_rank": "under any TorchDispatchMode (a plain logging mode too, without deferfuse) torch's C++ "
+                          "composite takes its tensor-subclass path and returns a new result instead of writing "
+                          "into `out=`; strict code with a mode active behaves the same. Not fixable below the mode.",
+    "linalg.matrix_rank.hermitian": "as `linalg.matrix_rank`.",
+    "resize_as_": "the OpInfo resizes a deferred tensor (`x.clone().resize_as_(y)`); deferfuse does not re-point "
+                  "or grow a deferred tensor's storage and raises NotImplementedError saying to call "
+                  "`deferfuse.sync()` first (docs/semantics.md, known differences).",
+}
+
+
 def write_json(path: str, results: list, meta: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -357,6 +369,10 @@ def markdown(results: list, meta: dict) -> str:
         lines += ["", "## Failures", "", "| OpInfo | dtype | variant | reason |", "|---|---|---|---|"]
         for r in sorted(fails, key=lambda r: (r.op, r.dtype, r.variant)):
             lines.append(f"| `{r.op}` | {r.dtype} | {r.variant} | {_md_escape(r.reason)} |")
+        causes = sorted({r.op for r in fails} & set(FAILURE_CAUSES))
+        if causes:
+            lines += ["", "Causes, where known:", ""]
+            lines += [f"- `{op}`: {FAILURE_CAUSES[op]}" for op in causes]
     lines += ["", "## Per OpInfo", "",
               "Reasons: failing cases as `dtype/variant`, fallback cases with the aten ops that ran eagerly, "
               "skips with why.", "",
