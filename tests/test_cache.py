@@ -118,3 +118,31 @@ def test_engine_autotune_keeps_faster_eager_graphs_eager(monkeypatch):
     assert s["executions"] == 3          # the three timed XLA runs, then eager
     for r in results:
         torch.testing.assert_close(r, torch.softmax(x * 2.5, dim=-1))
+
+
+def test_engine_autotune_hears_xla_again_after_a_while(monkeypatch):
+    """A choice made from timings of a busy moment is not forever: a signature kept eager is
+    timed against XLA again every _RECHECK_EAGER runs, and goes back to XLA if XLA now wins."""
+    from deferfuse.exec import runtime
+    x = torch.randn(32, 16)
+    deferfuse.reset_stats()
+    penalty = {"seconds": 10.0}
+    real = runtime._observe_xla_time
+    monkeypatch.setattr(runtime, "_observe_xla_time", lambda sig, s: real(sig, s + penalty["seconds"]))
+    monkeypatch.setattr(runtime, "_RECHECK_EAGER", 4)
+    with deferfuse.config.override(always_compile=False, eager_first_runs=1, background_compile=False,
+                                   cache_dir="", autotune_engine=True):
+        def run(times):
+            for _ in range(times):
+                with deferfuse.defer():
+                    out = torch.softmax(x * 2.5, dim=-1)
+                torch.testing.assert_close(out, torch.softmax(x * 2.5, dim=-1))
+        run(1 + 3)                          # eager first run, three slow XLA runs: eager chosen
+        assert deferfuse.stats()["eager_chosen"] == 1
+        penalty["seconds"] = -10.0          # the machine is quiet now: XLA wins
+        run(4)                              # kept eager; the fourth run triggers a new hearing
+        executions = deferfuse.stats()["executions"]
+        assert executions == 3
+        run(3 + 5)                          # three timed XLA runs, then XLA stays
+        assert deferfuse.stats()["executions"] == executions + 8
+        assert deferfuse.stats()["eager_chosen"] == 1

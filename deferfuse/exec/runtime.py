@@ -327,11 +327,26 @@ def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = Non
 # Engine choice per signature: XLA's fused code is usually faster, but for some graphs torch's
 # hand-written kernels win (a lone softmax or layer norm on a CPU).  The eager runs of the first
 # tier and the first XLA runs are timed; if eager was clearly faster, the signature stays eager.
+# Timings taken while the machine was busy can mislead, so a signature kept eager is measured
+# again every _RECHECK_EAGER runs: its latest eager time against fresh XLA runs.
 _EAGER_IS_FASTER = object()
 _EAGER_SECONDS: dict[Any, float] = {}
 _XLA_SECONDS: dict[Any, list[float]] = {}
 _CHOICE: dict[Any, object] = {}
+_EAGER_RUNS: dict[Any, int] = {}
 _XLA_SAMPLES = 3
+_RECHECK_EAGER = 128
+
+
+def observe_chosen_eager_time(sig: Any, seconds: float) -> None:
+    """A run of a signature kept eager: every _RECHECK_EAGER runs, give XLA another hearing."""
+    runs = _EAGER_RUNS.get(sig, 0) + 1
+    if runs < _RECHECK_EAGER:
+        _EAGER_RUNS[sig] = runs
+        return
+    _EAGER_RUNS.pop(sig, None)
+    _EAGER_SECONDS[sig] = seconds
+    _CHOICE.pop(sig, None)
 
 
 def observe_eager_time(sig: Any, seconds: float) -> None:
@@ -460,7 +475,9 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
                 faster = _CHOICE.get(group_record.signature) is _EAGER_IS_FASTER
                 started = time.perf_counter()
                 results = execute_eager(group.nodes, group.outputs)
-                if not faster:
+                if faster:
+                    observe_chosen_eager_time(group_record.signature, time.perf_counter() - started)
+                else:
                     observe_eager_time(group_record.signature, time.perf_counter() - started)
                 record.ran(group, "eager (faster than xla)" if faster else "eager (compiling)")
             else:
@@ -493,3 +510,4 @@ def clear_cache() -> None:
     _CHOICE.clear()
     _EAGER_SECONDS.clear()
     _XLA_SECONDS.clear()
+    _EAGER_RUNS.clear()
