@@ -87,10 +87,11 @@ class _GcFreeze:
 
     Only what existed before the outermost block is frozen, and it is unfrozen when that block
     ends, so garbage from before the block is collected late, never leaked.  A process that froze
-    objects itself is left alone."""
+    objects itself is left alone.  The lock is reentrant: a collection can run finalizers on this
+    thread while it is held, and a finalizer may close an abandoned defer block (a generator)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.depth = 0
         self.froze = False
 

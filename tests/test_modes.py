@@ -146,6 +146,24 @@ def test_defer_block_freezes_older_objects_out_of_full_collections():
         assert gc.get_freeze_count() == 0
 
 
+def test_freeze_bookkeeping_is_reentrant_on_one_thread():
+    # a collection may run a finalizer that closes a defer block (an abandoned generator) while
+    # this thread is inside the bookkeeping; it must not wait for itself
+    import threading
+    from deferfuse.modes import _GC_FREEZE
+
+    def nested():
+        with _GC_FREEZE.lock:
+            _GC_FREEZE.enter()
+            _GC_FREEZE.exit()
+
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert _GC_FREEZE.depth == 0
+
+
 def test_defer_block_leaves_a_users_own_freeze_alone():
     import gc
     gc.freeze()
