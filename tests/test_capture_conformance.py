@@ -5,12 +5,14 @@ Each test is the smallest program of one failure cluster, compared against stric
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import deferfuse
-from oracle import check
+from oracle import check, lowered
 
 aten = torch.ops.aten
 
@@ -155,3 +157,72 @@ def test_inplace_view_of_a_plain_tensor_is_metadata_only(program, shape):
     check(program, torch.arange(6.0).reshape(shape))
     assert deferfuse.stats()["fallbacks"] == {}
 
+
+
+# -- out= tensors of the wrong shape, and factories' out= variants -----------------------------
+_EYE3 = torch.eye(3) * 3
+
+
+@pytest.mark.parametrize("program, inputs", [
+    (lambda a, o: torch.mm(a * 1, a, out=o), (torch.randn(3, 3), torch.empty(0))),
+    (lambda a, v, i: torch.sort(a * 2, out=(v, i)), (torch.randn(4, 3), torch.empty(0), torch.empty(0, dtype=torch.long))),
+    (lambda a, o: torch.linalg.inv(a + _EYE3, out=o), (torch.randn(2, 3, 3), torch.empty(0))),
+    (lambda a, o: torch.nn.functional.logsigmoid(a - 1, out=o), (torch.randn(5), torch.empty(0))),
+    (lambda a, o: torch.linalg.det(a + _EYE3, out=o), (torch.randn(3, 3), torch.empty(0))),
+], ids=["mm", "sort", "inv", "logsigmoid", "det"])
+def test_empty_out_is_resized_and_the_op_lowered(program, inputs):
+    """out= tensors of another shape went to eager torch: torch resizes them (resize_output)."""
+    lowered(program, *inputs, compared=True)
+
+
+def test_nonempty_out_of_the_wrong_shape_warns_like_strict():
+    import warnings
+
+    def caught(defer: bool) -> tuple[int, torch.Tensor]:
+        a, out = torch.randn(3, 3), torch.ones(2, 2)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with deferfuse.config.override(always_compile=True), \
+                    (deferfuse.defer() if defer else contextlib.nullcontext()):
+                torch.mm(a * 1, a, out=out)
+        return sum("was resized" in str(w.message) for w in seen), out
+
+    (strict_count, strict_out), (defer_count, defer_out) = caught(False), caught(True)
+    assert defer_count == strict_count == 1
+    assert defer_out.shape == strict_out.shape == (3, 3)
+
+
+def test_resized_out_keeps_the_layout_strict_gives_it():
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    strict_out, defer_out = torch.empty(0), torch.empty(0)
+    torch.add(x * 1, 1, out=strict_out)
+    with deferfuse.defer():
+        torch.add(x * 1, 1, out=defer_out)
+    assert defer_out.stride() == strict_out.stride()
+    torch.testing.assert_close(defer_out, strict_out)
+
+
+def test_out_with_pending_contents_is_resized_eagerly():
+    def program(a, o):
+        o.add_(1)                     # o's storage now has pending contents
+        return torch.mm(a * 1, a, out=o)
+
+    check(program, torch.randn(3, 3), torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("program, out", [
+    (lambda o: torch.zeros(2, 3, out=o), torch.empty(2, 3, dtype=torch.int64)),
+    (lambda o: torch.ones(4, out=o), torch.empty(0, dtype=torch.bool)),
+    (lambda o: torch.full((2, 2), 7, out=o), torch.empty(2, 2, dtype=torch.int64)),
+    (lambda o: torch.arange(1, 9, 3, out=o), torch.empty(0, dtype=torch.int64)),
+    (lambda o: torch.arange(2.5, out=o), torch.empty(0, dtype=torch.float64)),
+    (lambda o: torch.linspace(-1, 1, 5, out=o), torch.empty(5, dtype=torch.float64)),
+    (lambda o: torch.linspace(0, 10, 4, out=o), torch.empty(4, dtype=torch.int64)),
+    (lambda o: torch.logspace(0, 2, 3, out=o), torch.empty(3)),
+    (lambda o: torch.eye(3, 4, out=o), torch.empty(3, 4, dtype=torch.bool)),
+], ids=["zeros_int", "ones_bool", "full_int", "arange_int", "arange_end", "linspace", "linspace_int",
+        "logspace", "eye_bool"])
+def test_factory_out_variants_are_lowered_in_the_outputs_dtype(program, out):
+    """zeros.out and friends went to eager torch: their functional form takes dtype and device,
+    which the out= form takes from ``out``."""
+    lowered(program, out, compared=True)

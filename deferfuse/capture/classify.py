@@ -139,7 +139,20 @@ def functional_variant(op: torch._ops.OpOverload) -> Optional[torch._ops.OpOverl
             continue
         if op_info(candidate).written:
             continue
-        # (same arguments, possibly in another order: polygamma_(self, n) and polygamma(n, self))
-        if sorted(_argument_signature(candidate, frozenset())) == sorted(wanted):
+        # (same arguments, possibly in another order: polygamma_(self, n) and polygamma(n, self));
+        # a factory's out= variant lacks the options its functional form takes (zeros.out and
+        # zeros(size, *, dtype, layout, device, pin_memory)): the recorder passes out's
+        candidate_args = _argument_signature(candidate, factory_options(op, candidate))
+        if sorted(candidate_args) == sorted(wanted):
             return candidate
     return None
+
+
+_TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
+
+
+def factory_options(op: torch._ops.OpOverload, functional: torch._ops.OpOverload) -> frozenset[str]:
+    """The tensor options (dtype, device, ...) that ``functional`` takes and ``op`` does not."""
+    own = {a.name for a in op._schema.arguments}
+    return frozenset(a.name for a in functional._schema.arguments
+                     if a.name in _TENSOR_OPTIONS and a.kwarg_only and a.name not in own)

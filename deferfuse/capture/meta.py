@@ -15,6 +15,7 @@ run but give other metadata than the CPU kernel are corrected by ``_CPU_CORRECTI
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -100,7 +101,11 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     if "device" in kwargs and kwargs["device"] is not None:
         meta_kwargs["device"] = torch.device("meta")
     try:
-        result = op(*meta_args, **meta_kwargs)
+        with warnings.catch_warnings():
+            # an out= tensor of the wrong size: the recorder resizes the real one and warns
+            # then, as torch's kernel does, whether or not this inference is cached
+            warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
+            result = op(*meta_args, **meta_kwargs)
     except NotImplementedError as meta_error:
         # No meta kernel (or a data-dependent one, nonzero's): only the real kernel can say,
         # and it raises the user's errors itself when it runs.

@@ -26,6 +26,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+from torch._prims_common.wrappers import _maybe_resize_out
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -38,7 +39,7 @@ from ..ir.meta import TensorMeta
 from ..lower.registry import RuntimeScalar
 from ..stats import STATS
 from . import meta as meta_
-from .classify import OpKind, functional_variant, op_info
+from .classify import OpKind, factory_options, functional_variant, op_info
 from .tensor import DeferredTensor
 from .unroll import DECOMPOSITIONS, unroll_foreach
 
@@ -363,16 +364,23 @@ class Recorder:
         if is_out:
             f_kwargs = {k: v for k, v in kwargs.items() if k not in info.written}
             f_args = args
+            options = factory_options(func, functional)
+            if options:
+                # a factory's out=: computed in the output's dtype, on its device
+                f_kwargs.update(dtype=targets[0].dtype, device=targets[0].device)
         else:
             f_args, f_kwargs = args, kwargs
-        if is_out and any(tuple(t.shape) != tuple(o.shape) for t, o in zip(targets, entry.outs) if o is not None):
-            # out= that resizes its output: let torch do it
-            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
         if info.pointwise or functional is aten.copy.default:
             _check_no_partial_overlap(targets, args, kwargs)
         f_args, f_kwargs = _rebind(func, functional, f_args, f_kwargs)
         results = self.dispatch_functional(functional, f_args, f_kwargs)
         results = results if isinstance(results, (tuple, list)) else (results,)
+        if is_out and (any(o is not None and tuple(r.shape) != tuple(o.shape) for r, o in zip(results, entry.outs))
+                       or not self._resize_outs(targets, entry.outs, results if info.pointwise else None)):
+            # out= whose kernel writes other shapes than its functional twin computes (batch
+            # norm's saved statistics in eval), or that resizes an output with pending
+            # contents: let torch do it (what was just recorded is never used)
+            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
         for target, result in zip(targets, results):
             if tuple(result.shape) != tuple(target.shape):
                 # what torch's kernels say when an in-place result would need a resize
@@ -392,6 +400,33 @@ class Recorder:
         if is_out:
             return targets[0] if len(targets) == 1 else tuple(targets)
         return args[0]
+
+    def _resize_outs(self, targets: list, outs: tuple, layouts: Optional[tuple] = None) -> bool:
+        """Resize out= tensors of the wrong shape as torch's kernels do (resize_output: a
+        warning unless the tensor was empty, then memory of the new size, laid out as ``outs``
+        say, or for pointwise ops as their ``layouts``, the functional results: the CPU kernel
+        lays them out like its inputs where the meta kernel says contiguous), or say that it
+        cannot be done here: a resized storage must not have pending contents, whose write-back
+        would land in memory of the old size."""
+        if layouts is not None:
+            outs = tuple(o if o is None else o._replace(stride=tuple(r.stride())) for o, r in zip(outs, layouts))
+        wrong = [(t, o) for t, o in zip(targets, outs)
+                 if o is not None and tuple(t.shape) != tuple(o.shape)]
+        for t, _ in wrong:
+            if isinstance(t, DeferredTensor) or t.layout is not torch.strided:
+                return False
+            ptr = t.untyped_storage().data_ptr()
+            state = _STATES_BY_PTR.get(ptr) if ptr else None
+            if state is not None and state.contents is not None:
+                return False
+        with no_dispatch():
+            for t, o in wrong:
+                _maybe_resize_out(t, o.shape)
+                if tuple(t.stride()) != tuple(o.stride) and o.is_dense:
+                    # the layout torch's kernel gives the result (channels-last): resize_ made
+                    # it contiguous, over the same memory
+                    t.as_strided_(o.shape, o.stride)
+        return True
 
     def dispatch_functional(self, func, args, kwargs):
         STATS.ops_recorded -= 1  # counted once, as the mutating op
