@@ -1,6 +1,7 @@
 """torch.special lowerings (deferfuse/lower/special.py) against strict PyTorch: orthogonal
-polynomials (per-element n, broadcast with x), erfcx, spherical_bessel_j0, modified_bessel_i0/i1
-and frexp, each asserted lowered (no fallback, no decomposition)."""
+polynomials (per-element n, broadcast with x), erfcx, spherical_bessel_j0, modified_bessel_i0/i1,
+the Bessel functions j0, j1, y0, y1, modified_bessel_k0/k1 (and scaled), airy_ai and frexp, each
+asserted lowered (no fallback, no decomposition)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,50 @@ def test_frexp_of_integers_raises_like_strict():
     with pytest.raises(RuntimeError):
         torch.frexp(torch.tensor([1, 2]))
     check(lambda x: torch.frexp(x), torch.tensor([1, 2]))
+
+
+BESSELS = [S.bessel_j0, S.bessel_j1, S.bessel_y0, S.bessel_y1, S.modified_bessel_k0, S.modified_bessel_k1,
+           S.scaled_modified_bessel_k0, S.scaled_modified_bessel_k1, S.airy_ai]
+
+
+def _bessel_inputs(dtype):
+    # both sides of the branch points (5 for j/y, 2 for k, +-2.09 and 8.3203353 for Ai, 103.892
+    # where Ai is 0, 1e-5 for j0), zeros of j0/j1, tiny and huge magnitudes, +-inf and NaN
+    values = torch.cat([torch.linspace(-40, 40, 801, dtype=torch.float64),
+                        torch.logspace(-30, 30, 61, dtype=torch.float64),
+                        -torch.logspace(-30, 30, 61, dtype=torch.float64),
+                        torch.tensor([0.0, -0.0, 5.0, 5.000001, 4.999999, 2.0, 2.000001, 1.999999, 8.0, 2.09, -2.09,
+                                      2.0899999, -2.0900001, 8.3203353, 8.33, 103.892, 103.9, 1e-5, 9.99e-6,
+                                      2.404825557695773, 3.831705970207512, -1000.0, 1e4, 1e-300, INF, -INF, NAN],
+                                     dtype=torch.float64)])
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bessel_j_y_k_and_airy_ai(dtype):
+    x = _bessel_inputs(dtype)
+    lowered(lambda x: tuple(f(x) for f in BESSELS), x)
+
+
+def test_bessel_j_y_k_and_airy_ai_of_integers_bools_zero_dim_empty_and_views():
+    i = torch.tensor([-7, -2, -1, 0, 1, 2, 3, 5, 6, 9, 104, 2 ** 40])
+    b = torch.tensor([True, False])
+    grid = torch.linspace(-12, 12, 60, dtype=torch.float64).reshape(6, 10)
+    lowered(lambda i, b, z, e, g: tuple(f(i) for f in BESSELS) + tuple(f(b) for f in BESSELS)
+            + tuple(f(z) for f in BESSELS) + tuple(f(e) for f in BESSELS)
+            + tuple(f(g.t()[::2]) for f in BESSELS),
+            i, b, torch.tensor(3.5), torch.empty(0, 3), grid)
+
+
+def test_bessel_prims_and_out():
+    x = torch.linspace(-9, 9, 37)
+    out = torch.empty(37)
+    lowered(lambda x, out: (torch.ops.prims.bessel_j0(x), torch.ops.prims.bessel_j1(x.double()),
+                            S.bessel_y0(x.abs() + 0.5, out=out)), x, out)
+
+
+def test_bessel_of_half_raises_like_strict():
+    # torch's CPU kernels are float32/float64 only
+    with pytest.raises(RuntimeError):
+        S.bessel_j0(torch.ones(2, dtype=torch.float16))
+    check(lambda x: S.bessel_j0(x), torch.ones(2, dtype=torch.float16))
