@@ -159,3 +159,142 @@ def test_empty_matrices():
                              torch.linalg.slogdet(z), torch.linalg.cholesky_ex(z),
                              torch.triangular_solve(torch.empty(0, 3, 2, dtype=f64), e)],
             torch.empty(0, 3, 3, dtype=f64), torch.empty(3, 0, dtype=f64), torch.empty(2, 0, 0, dtype=f64))
+
+
+# -- linalg.lu, householder_product, ormqr, matrix_exp -------------------------------------------
+
+def _qr_parts(dtype, *shape):
+    """Householder reflectors and their scalars as torch.geqrf leaves them (computed eagerly:
+    geqrf has no meta kernel, so it is not lowered)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    return torch.geqrf(torch.randn(*shape, generator=g, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_linalg_lu(dtype):
+    a, _, wide, _, singular = _inputs(dtype)
+    tall = torch.randn(3, 6, 4, dtype=dtype)
+
+    def fn(a, wide, tall, singular):
+        return [torch.linalg.lu(a), torch.linalg.lu(wide), torch.linalg.lu(tall), torch.linalg.lu(tall.mT),
+                torch.linalg.lu(a[:, ::2, 1:]), torch.linalg.lu(singular), torch.linalg.lu(a.mT)]
+    lowered(fn, a, wide, tall, singular, **_tol(dtype))
+
+
+def test_linalg_lu_errors_match_torch():
+    # torch's CPU kernel has no LU without pivoting
+    same_exception(lambda a: torch.linalg.lu(a, pivot=False), torch.randn(3, 3))
+    same_exception(lambda a: torch.linalg.lu(a), torch.ones(3, 3, dtype=torch.int64))
+    same_exception(lambda a: torch.linalg.lu(a), torch.ones(3))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_householder_product(dtype):
+    square, tau_s = _qr_parts(dtype, 2, 5, 5)
+    tall, tau_t = _qr_parts(dtype, 6, 4)
+    g = torch.Generator().manual_seed(3)
+    rand, tau_r = torch.randn(2, 7, 5, generator=g, dtype=dtype), torch.randn(2, 3, generator=g, dtype=dtype)
+
+    def fn(square, tau_s, tall, tau_t, rand, tau_r):
+        return [torch.linalg.householder_product(square, tau_s), torch.linalg.householder_product(tall, tau_t),
+                torch.linalg.householder_product(tall, tau_t[:2]),
+                torch.linalg.householder_product(rand, tau_r),            # not orthogonal
+                torch.linalg.householder_product(rand[:, ::2, 1:], tau_r[:, ::2]),
+                torch.linalg.householder_product(tall, tau_t[:0])]        # no reflectors: identity columns
+    lowered(fn, square, tau_s, tall, tau_t, rand, tau_r, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_ormqr(dtype):
+    tall, tau_t = _qr_parts(dtype, 2, 6, 4)
+    wide, tau_w = _qr_parts(dtype, 3, 5)
+    g = torch.Generator().manual_seed(5)
+    c = torch.randn(2, 6, 3, generator=g, dtype=dtype)
+    cw = torch.randn(3, 4, generator=g, dtype=dtype)
+    rand, tau_r = torch.randn(4, 4, generator=g, dtype=dtype), torch.randn(4, generator=g, dtype=dtype)
+
+    def fn(tall, tau_t, wide, tau_w, c, cw, rand, tau_r):
+        out = []
+        for transpose in (False, True):
+            out += [torch.ormqr(tall, tau_t, c, transpose=transpose),
+                    torch.ormqr(tall, tau_t, c.mT, left=False, transpose=transpose),
+                    torch.ormqr(wide, tau_w, cw, transpose=transpose),
+                    torch.ormqr(wide, tau_w, cw.mT[:, :3], left=False, transpose=transpose),
+                    torch.ormqr(rand.mT, tau_r, rand, transpose=transpose),    # not orthogonal
+                    torch.ormqr(rand[:, :2], tau_r[:2], rand[:2], left=False, transpose=transpose)]
+        return out
+    lowered(fn, tall, tau_t, wide, tau_w, c, cw, rand, tau_r, **_tol(dtype))
+
+
+def test_householder_ormqr_errors_match_torch():
+    a, tau = torch.randn(5, 5), torch.randn(3)
+    same_exception(lambda a, t: torch.linalg.householder_product(a, t), torch.randn(4, 5), tau)
+    same_exception(lambda a, t: torch.linalg.householder_product(a, t), a, torch.randn(6))
+    same_exception(lambda a, t: torch.linalg.householder_product(a, t), a.long(), tau.long())
+    # the meta kernel accepts these, torch's CPU kernel wants tau.shape[-1] == min(m, k)
+    same_exception(lambda a, t: torch.ormqr(a, t, a), a, tau)
+    same_exception(lambda a, t: torch.ormqr(a, t, a, left=False), a, tau)
+    same_exception(lambda a, t: torch.ormqr(a, t, a[:4]), a, torch.randn(5))
+
+
+def _scaled_to_norm(m, norm):
+    norm = torch.as_tensor(norm, dtype=m.dtype)
+    return m / m.abs().sum(-2).amax(-1)[..., None, None] * norm[..., None, None]
+
+
+def test_matrix_exp_float64():
+    g = torch.Generator().manual_seed(7)
+    m = torch.randn(5, 5, generator=g, dtype=torch.float64)
+    # one matrix takes the lowest Taylor degree whose bound covers its 1-norm (1, 2, 4, 8, 12, then
+    # 18 with scaling and squaring); a batch always takes degree 18
+    norms = [1e-17, 1e-9, 1e-5, 0.01, 0.2, 0.2996158913811580, 0.8, 7.0, 300.0]
+    singles = [_scaled_to_norm(m, n) for n in norms]
+    batch = _scaled_to_norm(torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64),
+                            torch.tensor([[0.0, 0.01], [1.0, 40.0], [5.0, 0.3]], dtype=torch.float64))
+
+    def fn(batch, *singles):
+        return [torch.linalg.matrix_exp(batch), torch.matrix_exp(batch.mT), torch.matrix_exp(batch[:, :1, ::2, ::2])] + \
+            [torch.linalg.matrix_exp(s) for s in singles]
+    lowered(fn, batch, *singles)
+
+
+def test_matrix_exp_small_and_empty():
+    f64 = torch.float64
+    lowered(lambda a, b, c, d: [torch.linalg.matrix_exp(a), torch.linalg.matrix_exp(b),
+                                torch.linalg.matrix_exp(c), torch.linalg.matrix_exp(d)],
+            torch.randn(3, 1, 1, dtype=f64), torch.randn(1, 1), torch.empty(0, 0, dtype=f64),
+            torch.empty(0, 4, 4, dtype=f64))
+    same_exception(lambda a: torch.linalg.matrix_exp(a), torch.randn(3, 4, dtype=f64))
+    same_exception(lambda a: torch.linalg.matrix_exp(a), torch.ones(3, 3, dtype=torch.int64))
+
+
+def test_matrix_exp_gradient():
+    a = _scaled_to_norm(torch.randn(2, 3, 3, dtype=torch.float64), 2.0)
+
+    def fn(a):
+        x = a.clone().requires_grad_()
+        y = torch.linalg.matrix_exp(x)
+        (y * torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3)).sum().backward()
+        return [y, x.grad]
+    lowered(fn, a)
+
+
+def test_matrix_exp_float32_falls_back():
+    # float32: the squarings amplify rounding (torch's loops vs XLA's fused multiply-adds) past
+    # float32 tolerances, so the call runs torch's kernel
+    a = _scaled_to_norm(torch.randn(2, 5, 5), 27.0)
+    deferfuse.reset_stats()
+    check(lambda a: torch.linalg.matrix_exp(a), a)
+    assert "aten.linalg_matrix_exp.default" in deferfuse.stats()["fallbacks"]
+
+
+def test_lu_householder_ormqr_empty():
+    f64 = torch.float64
+    e = torch.empty
+
+    def fn(a, b, c, d, tau0, tau2):
+        return [torch.linalg.lu(a), torch.linalg.lu(b), torch.linalg.lu(c),
+                torch.linalg.householder_product(d, tau0), torch.linalg.householder_product(a[:, :, :0], tau2[:, :0]),
+                torch.ormqr(d, tau0, d), torch.ormqr(a, tau2, a[:, :, :2])]
+    lowered(fn, e(0, 3, 5, dtype=f64), e(3, 0, dtype=f64), e(2, 0, 0, dtype=f64), e(0, 0, dtype=f64),
+            e(0, dtype=f64), e(0, 3, dtype=f64))

@@ -551,6 +551,21 @@ def triangular_solve(ctx, b, a, upper=True, transpose=False, unitriangular=False
     return x, a
 
 
+def _permutation_matrix(pivots, m: int, dtype):
+    """P of ``A = P L U`` from getrf's 1-based int32 pivots."""
+    perm = lax.linalg.lu_pivots_to_permutation(pivots - 1, m)
+    # row i of P^T A is row perm[i] of A, so P[perm[i], i] = 1
+    return (perm[..., None, :] == jnp.arange(m)[:, None]).astype(dtype)
+
+
+def _lu_triangles(lu):
+    """(L, U) of ``A = P L U`` from getrf's packed LU: L unit lower m x k, U upper k x n."""
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    return lower, jnp.triu(lu[..., :k, :])
+
+
 def _check_lu_unpack(ctx: LoweringContext) -> Optional[str]:
     data, pivots = ctx.args[0], ctx.args[1]
     if data.dtype.is_complex:
@@ -568,23 +583,19 @@ def _check_lu_unpack(ctx: LoweringContext) -> Optional[str]:
 @_linalg_rule
 def lu_unpack(ctx, lu, pivots, unpack_data=True, unpack_pivots=True):
     from .registry import runtime_check
-    m, n = lu.shape[-2:]
-    k = min(m, n)
+    m = lu.shape[-2]
     p_meta, l_meta, u_meta = ctx.out
     outs = []
     if unpack_pivots and 0 not in p_meta.shape:
         runtime_check((pivots < 1) | (pivots > m), RuntimeError,
                       "pivots passed to lu_unpack must be between 1 and LU.size(-2) inclusive."
                       "Did you properly pass the result of lu_factor?")
-        perm = lax.linalg.lu_pivots_to_permutation(jnp.clip(pivots.astype(jnp.int32) - 1, 0, m - 1), m)
-        # A = P L U: row i of P^T A is row perm[i] of A, so P[perm[i], i] = 1
-        p = (perm[..., None, :] == jnp.arange(m)[:, None]).astype(lu.dtype)
+        p = _permutation_matrix(jnp.clip(pivots.astype(jnp.int32), 1, m), m, lu.dtype)
         outs.append(jnp.broadcast_to(p, p_meta.shape))
     else:
         outs.append(jnp.zeros(p_meta.shape, lu.dtype))
     if unpack_data and 0 not in l_meta.shape + u_meta.shape:
-        lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
-        outs += [lower, jnp.triu(lu[..., :k, :])]
+        outs += list(_lu_triangles(lu))
     else:
         outs += [jnp.zeros(l_meta.shape, lu.dtype), jnp.zeros(u_meta.shape, lu.dtype)]
     return tuple(outs)
@@ -616,3 +627,187 @@ def slogdet(ctx, a):
     sign = perm_sign * jnp.prod(jnp.sign(diag), axis=-1)
     logabsdet = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
     return sign, logabsdet, lu, pivots
+
+
+# -- linalg.lu, Householder products, matrix exponential -----------------------------------------
+# householder_product runs LAPACK's orgqr through jaxlib, as torch's CPU kernel does.  ormqr
+# applies the reflectors one at a time (LAPACK's orm2r) instead of forming Q.  matrix_exp is
+# torch's own algorithm (Bader, Blanes and Casas's optimized Taylor polynomials, with scaling and
+# squaring above the last threshold), not jax.scipy's Padé approximant, so that the two agree to
+# rounding whatever the norm of the matrix.
+
+def _cpu_check(ctx: LoweringContext) -> Optional[str]:
+    """Raise the CPU kernel's exception for a call that only it rejects (None if it runs)."""
+    replay_on_cpu(ctx)
+    return None
+
+
+
+
+def _check_linalg_lu(ctx: LoweringContext) -> Optional[str]:
+    if ctx.kwargs.get("pivot", True) is False:
+        # torch: "linalg.lu_factor: LU without pivoting is not implemented on the CPU"
+        return raise_like_cpu(ctx)
+    return _check_linalg(ctx)
+
+
+@lowering(aten.linalg_lu.default, check=_check_linalg_lu)
+@_linalg_rule
+def linalg_lu(ctx, a, *, pivot=True):
+    lu, pivots, _ = _lu(a)
+    return (_permutation_matrix(pivots, a.shape[-2], a.dtype),) + _lu_triangles(lu)
+
+
+def _check_householder(ctx: LoweringContext) -> Optional[str]:
+    reason = _check_linalg(ctx)
+    if reason == "an empty operand with non-empty ones is not lowered" and 0 not in ctx.args[0].shape:
+        return None     # no reflectors: Q is the first columns of the identity
+    return reason if reason is not None else _cpu_check(ctx)
+
+
+@lowering(aten.linalg_householder_product.default, check=_check_householder)
+@_linalg_rule
+def householder_product(ctx, a, tau):
+    # (no reflectors: _linalg_rule asks torch for the identity columns)
+    return lax.linalg.householder_product(a, tau)
+
+
+def _check_ormqr(ctx: LoweringContext) -> Optional[str]:
+    reason = _check_linalg(ctx)
+    return reason if reason is not None else _cpu_check(ctx)
+
+
+@lowering(aten.ormqr.default, check=_check_ormqr)
+@_linalg_rule
+def ormqr(ctx, a, tau, other, left=True, transpose=False):
+    """``op(Q) C`` (``left``) or ``C op(Q)``, Q = H_0 ... H_{k-1}, H_i = I - tau_i v_i v_i^T with
+    v_i the i-th column of ``a`` below the diagonal and 1 on it; op transposes with ``transpose``."""
+    k = tau.shape[-1]
+    m = a.shape[-2]
+    rows = jnp.arange(m)
+    # H_i is symmetric: Q C applies H_{k-1} first, Q^T C applies H_0 first; C Q applies H_0
+    # first, C Q^T H_{k-1} first
+    forward = transpose == left
+
+    def body(j, c):
+        i = j if forward else k - 1 - j
+        col = lax.dynamic_index_in_dim(a, i, axis=-1, keepdims=False)          # (..., m)
+        v = jnp.where(rows == i, jnp.ones((), a.dtype), jnp.where(rows > i, col, 0))
+        t = lax.dynamic_index_in_dim(tau, i, axis=-1, keepdims=True)         # (..., 1)
+        if left:
+            w = jnp.einsum("...m,...mn->...n", v, c, precision=_HIGHEST)
+            return c - (t * v)[..., :, None] * w[..., None, :]
+        w = jnp.einsum("...nm,...m->...n", c, v, precision=_HIGHEST)
+        return c - (t[..., None] * w[..., :, None]) * v[..., None, :]
+    return lax.fori_loop(0, k, body, other)
+
+
+# Bader, Blanes and Casas's polynomials as torch evaluates them (aten LinearAlgebra.cpp): the
+# norm thresholds of degrees 1, 2, 4, 8, 12 and 18, and the coefficients of degrees 12 and 18.
+_MEXP_THETAS = {
+    jnp.dtype(jnp.float32): (1.192092800768788e-07, 5.978858893805233e-04, 5.116619363445086e-02,
+                             5.800524627688768e-01, 1.461661507209034e+00, 3.010066362817634e+00),
+    jnp.dtype(jnp.float64): (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-04,
+                             4.991228871115323e-02, 2.996158913811580e-01, 1.090863719290036e+00),
+}
+_MEXP_B12 = ((9.0198e-16, 0.46932117595418237389, -0.20099424927047284052, -0.04623946134063071740),
+             (5.31597895759871264183, 1.19926790417132231573, 0.01179296240992997031, 0.01108844528519167989),
+             (0.18188869982170434744, 0.05502798439925399070, 0.09351590770535414968, 0.00610700528898058230),
+             (-2.0861320e-13, -0.13181061013830184015, -0.02027855540589259079, -0.00675951846863086359))
+_MEXP_B18 = ((0., -1.00365581030144618291e-01, -8.02924648241156932449e-03, -8.92138498045729985177e-04, 0.),
+             (0., 3.97849749499645077844e-01, 1.36783778460411720168e+00, 4.98289622525382669416e-01,
+              -6.37898194594723280150e-04),
+             (-1.09676396052962061844e+01, 1.68015813878906206114e+00, 5.71779846478865511061e-02,
+              -6.98210122488052056106e-03, 3.34975017086070470649e-05),
+             (-9.04316832390810593223e-02, -6.76404519071381882256e-02, 6.75961301770459654925e-02,
+              2.95552570429315521194e-02, -1.39180257516060693404e-05),
+             (0., 0., -9.23364619367118555360e-02, -1.69364939002081722752e-02, -1.40086798182036094347e-05))
+
+
+def _combine(mats, coeffs, dtype):
+    """sum_j coeffs[j] * mats[j], the coefficients rounded to ``dtype`` first (as torch's are)."""
+    out = None
+    for c, x in zip(coeffs, mats):
+        term = x * np.asarray(c, dtype)
+        out = term if out is None else out + term
+    return out
+
+
+def _mexp_taylor(a, degree: int):
+    dt = a.dtype
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=dt), a.shape)
+    if degree == 1:
+        return eye + a
+    a2 = matmul(a, a)
+    if degree == 2:
+        return eye + a + a2 / np.asarray(2, dt)
+    if degree == 4:
+        return _combine((eye, a, a2, matmul(a2, _combine((eye, a, a2), (1 / 2, 1 / 6, 1 / 24), dt))),
+                        (1, 1, 0, 1), dt)
+    if degree == 8:
+        sqrt_177 = float(np.asarray(0.1330413469565007072504e+2, dt))
+        x3 = float(np.asarray(2 / 3, dt))
+        x1, x2 = x3 * ((1 + sqrt_177) / 88), x3 * ((1 + sqrt_177) / 352)
+        x4 = (-271 + 29 * sqrt_177) / (315 * x3)
+        x5 = (-11 + 11 * sqrt_177) / (1260 * x3)
+        x6 = (-99 + 11 * sqrt_177) / (5040 * x3)
+        x7 = (89 - sqrt_177) / (5040 * x3)
+        y2 = (857 - 58 * sqrt_177) / 630
+        a4 = matmul(a2, _combine((a, a2), (x1, x2), dt))
+        a8 = matmul(_combine((a2, a4), (x3, 1), dt), _combine((eye, a, a2, a4), (x4, x5, x6, x7), dt))
+        return _combine((eye, a, a2, a4, a8), (1, 1, y2, 0, 1), dt)
+    a3 = matmul(a, a2)
+    if degree == 12:
+        b = [_combine((eye, a, a2, a3), row, dt) for row in _MEXP_B12]
+        b2 = b[2] + matmul(b[3], b[3])
+        return b[0] + matmul(b[1] + b2, b2)
+    a6 = matmul(a3, a3)
+    b = [_combine((eye, a, a2, a3, a6), row, dt) for row in _MEXP_B18]
+    b3 = b[3] + matmul(b[0], b[4])
+    return b[1] + matmul(b[2] + b3, b3)
+
+
+def _mexp_scale_square(a, norm, theta):
+    """Degree 18 on ``a / 2**s``, squared ``s`` times, ``s = max(0, ceil(log2(norm / theta)))``."""
+    s = jnp.maximum(jnp.ceil(jnp.log2(norm / np.asarray(theta, a.dtype))), 0)
+    s = jnp.where(jnp.isfinite(s), s, 0)
+    scaled = a * jnp.power(np.asarray(2, a.dtype), -s)[..., None, None]
+    steps = s.astype(jnp.int32)
+
+    def square(i, x):
+        return jnp.where((i < steps)[..., None, None], matmul(x, x), x)
+    return lax.fori_loop(0, jnp.max(steps, initial=0), square, _mexp_taylor(scaled, 18))
+
+
+def _check_matrix_exp(ctx: LoweringContext) -> Optional[str]:
+    a = ctx.args[0]
+    if a.dtype == torch.float32 and len(a.shape) >= 2 and a.shape[-1] > 1 and a.shape[-1] == a.shape[-2]:
+        # measured: a batch of 5x5 float32 matrices of 1-norm ~27 (4 squarings) differs from torch
+        # by 2e-3 relative, as much as torch differs from the float64 result: the squarings amplify
+        # each side's rounding (MKL's or torch's plain loops vs XLA's fused multiply-adds)
+        return "float32 matrix_exp: the squarings amplify rounding past float32 tolerances"
+    return _check_linalg(ctx)
+
+
+@lowering(aten.linalg_matrix_exp.default, check=_check_matrix_exp)
+@_linalg_rule
+def matrix_exp(ctx, a):
+    n = a.shape[-1]
+    if n == 1:
+        return jnp.exp(a)
+    thetas = _MEXP_THETAS[jnp.dtype(a.dtype)]
+    flat = a.reshape((-1, n, n))
+    norm = jnp.max(jnp.sum(jnp.abs(flat), axis=-2), axis=-1)       # the 1-norm
+    if flat.shape[0] > 1:
+        # torch takes the degree-18 path for every matrix of a batch
+        return _mexp_scale_square(flat, norm, thetas[-1]).reshape(a.shape)
+    # one matrix: the lowest degree whose threshold bounds the norm (degree 18 from the degree-12
+    # threshold on, that one included); a NaN norm gives NaN
+    t = [np.asarray(x, a.dtype) for x in thetas]
+    nrm = norm[0]
+    index = jnp.where(nrm <= t[0], 0, jnp.where(nrm <= t[1], 1, jnp.where(nrm <= t[2], 2, jnp.where(
+        nrm <= t[3], 3, jnp.where(nrm < t[4], 4, jnp.where(nrm >= t[4], 5, 6))))))
+    branches = [lambda x, d=d: _mexp_taylor(x, d) for d in (1, 2, 4, 8, 12)]
+    branches.append(lambda x: _mexp_scale_square(x, norm, thetas[-1]))
+    branches.append(lambda x: jnp.full_like(x, jnp.nan))
+    return lax.switch(index, branches, flat).reshape(a.shape)
