@@ -40,6 +40,7 @@ from ..lower.registry import RuntimeScalar
 from ..stats import STATS
 from . import meta as meta_
 from .classify import OpKind, factory_options, functional_variant, op_info
+from .sized import SIZED
 from .tensor import DeferredTensor
 from .unroll import DECOMPOSITIONS, unroll_foreach
 
@@ -353,8 +354,14 @@ class Recorder:
 
     def record_mutation(self, func, info, args, kwargs) -> Any:
         # Validate the call itself (torch's broadcasting and casting errors) on meta tensors.
-        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         functional = functional_variant(func)
+        try:
+            vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
+        except meta_.NoMeta:
+            if not (info.dynamic and functional in SIZED):
+                raise
+            # nonzero.out, masked_select.out: their functional twin finds the output's size
+            entry = None
         targets = _written_arguments(func, info, args, kwargs)
         if functional is None or any(
                 not isinstance(t, torch.Tensor) or t.is_conj() or t.is_neg() for t in targets):
@@ -375,8 +382,9 @@ class Recorder:
         f_args, f_kwargs = _rebind(func, functional, f_args, f_kwargs)
         results = self.dispatch_functional(functional, f_args, f_kwargs)
         results = results if isinstance(results, (tuple, list)) else (results,)
-        if is_out and (any(o is not None and tuple(r.shape) != tuple(o.shape) for r, o in zip(results, entry.outs))
-                       or not self._resize_outs(targets, entry.outs, results if info.pointwise else None)):
+        outs = entry.outs if entry is not None else tuple(_meta_of(r) for r in results)
+        if is_out and (any(o is not None and tuple(r.shape) != tuple(o.shape) for r, o in zip(results, outs))
+                       or not self._resize_outs(targets, outs, results if info.pointwise else None)):
             # out= whose kernel writes other shapes than its functional twin computes (batch
             # norm's saved statistics in eval), or that resizes an output with pending
             # contents: let torch do it (what was just recorded is never used)
@@ -437,6 +445,14 @@ class Recorder:
             vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         except (meta_.NoMeta, NotImplementedError, RuntimeError,
                 torch._subclasses.fake_tensor.DynamicOutputShapeException):
+            sized = SIZED.get(func)
+            if sized is not None:
+                # record it in a static form once the size of its output is known
+                with self.mode.recording():
+                    result = sized(self, args, kwargs)
+                if result is not None:
+                    STATS.ops_recorded -= 1   # (counted as the ops it became)
+                    return result
             return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT,
                                   FallbackReason.DATA_DEPENDENT)
         if entry.lowering is None:
@@ -759,6 +775,10 @@ def _rebind(op, functional, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     bound.update(kwargs)
     positional = tuple(bound.pop(n) for n in f_names if n in bound)
     return positional, bound
+
+
+def _meta_of(t: torch.Tensor) -> TensorMeta:
+    return t._meta if isinstance(t, DeferredTensor) else TensorMeta.of(t)
 
 
 def _type_name(dtype: torch.dtype) -> str:

@@ -136,6 +136,16 @@ def count_nonzero(ctx, x, dim=None):
     return jnp.sum(x != 0, axis=_axes(x.ndim, dim), dtype=jnp.int64)
 
 
+@lowering(aten.nonzero_static.default, check=_real_only)
+def nonzero_static(ctx, x, *, size, fill_value=-1):
+    """The indices of the first ``size`` nonzero elements in row-major order, one row each,
+    padded with rows of ``fill_value`` (a 0-dim input gives rows of no columns)."""
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    where = jnp.nonzero(x != 0, size=size, fill_value=fill_value)
+    return jnp.stack(where, axis=1).astype(jnp.int64)
+
+
 # -- max, min and their indices ------------------------------------------------------------------
 # XLA's max/min propagate NaN and its argmax/argmin pick the first NaN, else the first extreme
 # value, which is what torch's CPU kernels do.
