@@ -178,6 +178,10 @@ class Recorder:
             flat = self.flat(state)
             value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m)).outputs[0]
             state.reads[m] = value
+        if isinstance(t, DeferredTensor) and (t.is_conj() or t.is_neg()):
+            # a lazy conjugate or negative view of pending memory
+            bits = (t.is_conj(), t.is_neg())
+            value = self._node(graph.BITS, (value, *bits), {}, (m,), (graph.BITS, *bits)).outputs[0]
         return value, m
 
     def _resolved(self, t: torch.Tensor) -> torch.Tensor:
@@ -343,14 +347,25 @@ class Recorder:
             # (numpy(), C extensions) gets a real tensor rather than a data-less wrapper.
             return func(*args, **kwargs)
         if func in _LAZY_BIT_VIEWS:
-            # the view's values are its input's, read through a conjugate or negative bit that
-            # the storage model does not carry: make the real view of the computed input
-            return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
+            if not isinstance(base, DeferredTensor):
+                return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
+            # the same memory, read through a conjugate or negative bit (toggled, as torch does):
+            # reads apply it (read), writes through it run eagerly (record_mutation)
+            view = DeferredTensor(base._meta, base._storage, self)
+            conj, neg = base.is_conj(), base.is_neg()
+            _set_bits(view, conj != (func is aten._conj.default), neg != (func is aten._neg_view.default))
+            return view
         vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
         if any(o.dtype != state.dtype for o in entry.tensor_outs):
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
-        return _restructure(info, [None if o is None else DeferredTensor(o, state, self) for o in entry.outs])
+        views = [None if o is None else DeferredTensor(o, state, self) for o in entry.outs]
+        if isinstance(base, DeferredTensor) and (base.is_conj() or base.is_neg()):
+            # a view of a view with lazy bits has them too
+            for v in views:
+                if v is not None:
+                    _set_bits(v, base.is_conj(), base.is_neg())
+        return _restructure(info, views)
 
     def record_mutation(self, func, info, args, kwargs) -> Any:
         # Validate the call itself (torch's broadcasting and casting errors) on meta tensors.
@@ -775,6 +790,11 @@ def _rebind(op, functional, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     bound.update(kwargs)
     positional = tuple(bound.pop(n) for n in f_names if n in bound)
     return positional, bound
+
+
+def _set_bits(t: torch.Tensor, conj: bool, neg: bool) -> None:
+    torch._C._set_conj(t, conj)
+    torch._C._set_neg(t, neg)
 
 
 def _meta_of(t: torch.Tensor) -> TensorMeta:

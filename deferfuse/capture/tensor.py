@@ -47,7 +47,12 @@ class DeferredTensor(torch.Tensor):
             from .recorder import materialize_states
             materialize_states([storage], reason, self._recorder)
         m = self._meta
-        return torch.as_strided(storage.buffer, m.shape, m.stride, m.offset)
+        data = torch.as_strided(storage.buffer, m.shape, m.stride, m.offset)
+        if self.is_conj():
+            data = data._conj()           # (the lazy bits of a conjugate or negative view)
+        if self.is_neg():
+            data = data._neg_view()
+        return data
 
     def _observe(self, reason: FlushReason, use):
         """Materialize, then run ``use(data)`` with no dispatch mode active (torch calls made while

@@ -409,6 +409,10 @@ def _eager_internal(node: Node, args: tuple) -> torch.Tensor:
     if op is graph.CAST:
         value, dtype = args
         return value.to(dtype)
+    if op is graph.BITS:
+        value, conj, neg = args
+        value = value.conj_physical() if conj else value
+        return -value if neg else value
     raise AssertionError(f"no eager form for {op}")
 
 

@@ -125,11 +125,17 @@ def _meta_arg(ctx: LoweringContext, i: int) -> TensorMeta:
     return meta
 
 
+def _bits(value, conj: bool, neg: bool):
+    value = jnp.conj(value) if conj else value
+    return -value if neg else value
+
+
 INTERNAL_RULES = {
     graph.READ_VIEW: lambda ctx, flat, meta: read_view(flat, meta),
     graph.WRITE_VIEW: lambda ctx, flat, value, meta: write_view(flat, value, meta),
     graph.FLATTEN: lambda ctx, value, meta: flatten(value, meta),
     graph.CAST: lambda ctx, value, dtype: value,  # the caller casts to the output dtype
+    graph.BITS: lambda ctx, value, conj, neg: _bits(value, conj, neg),
 }
 
 
