@@ -84,3 +84,28 @@ def test_only_the_size_is_computed_at_the_sync():
     assert deferfuse.stats()["fallbacks"] == {}
     expected = float((((x * 2)[(x * 2) > 0] + 1) * 3).sum())
     assert value == pytest.approx(expected, rel=1e-6)
+
+
+R = torch.tensor([2, 0, 1, 3])
+
+
+@pytest.mark.parametrize("program", [
+    lambda r: torch.repeat_interleave(r * 1),
+    lambda r: torch.repeat_interleave(r.float() * 2, r),
+    lambda r: torch.repeat_interleave(torch.arange(8.0).reshape(4, 2) * 2, r, dim=0),
+    lambda r: torch.repeat_interleave(r * 2, 3),
+    lambda r: torch.repeat_interleave(r * 1, output_size=6),
+    lambda r: torch.repeat_interleave(r[:0] * 1),
+], ids=["indices", "values", "dim", "scalar_repeats", "output_size", "empty"])
+def test_repeat_interleave_is_lowered_after_a_size_sync(program):
+    lowered(program, R, compared=True)
+
+
+@pytest.mark.parametrize("program", [
+    lambda r: torch.repeat_interleave(r - 1),                    # a negative repeat
+    lambda r: torch.repeat_interleave(r * 1, output_size=5),     # a size that does not match
+    lambda r: torch.repeat_interleave(r.reshape(2, 2)),          # not 1-d
+    lambda r: torch.repeat_interleave(r.float()),                # not integers
+], ids=["negative", "wrong_output_size", "2d", "float"])
+def test_repeat_interleave_errors_like_strict(program):
+    check(program, R)

@@ -40,7 +40,7 @@ from ..lower.registry import RuntimeScalar
 from ..stats import STATS
 from . import meta as meta_
 from .classify import OpKind, factory_options, functional_variant, op_info
-from .sized import SIZED
+from .sized import SIZED, STATIC
 from .tensor import DeferredTensor
 from .unroll import DECOMPOSITIONS, unroll_foreach
 
@@ -112,6 +112,7 @@ class Recorder:
         self.max_pending = config.get("max_pending_nodes")
         self.active = True
         self.epoch = next(_epochs)
+        self.sizing: set = set()      # data-dependent ops whose size rule is running
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
@@ -456,18 +457,26 @@ class Recorder:
         return self.dispatch(func, args, kwargs)
 
     def record_dynamic(self, func, info, args, kwargs) -> Any:
+        sized = SIZED.get(func)
+        if sized is not None and func not in self.sizing:
+            # record it in a static form once the size of its output is known (the rule calls
+            # its op again with that size: then it is recorded as usual)
+            self.sizing.add(func)
+            try:
+                with self.mode.recording():
+                    result = sized(self, args, kwargs)
+            finally:
+                self.sizing.discard(func)
+            if result is None:
+                return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT,
+                                      FallbackReason.DATA_DEPENDENT)
+            if result is not STATIC:
+                STATS.ops_recorded -= 1   # (counted as the ops it became)
+                return result
         try:
             vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         except (meta_.NoMeta, NotImplementedError, RuntimeError,
                 torch._subclasses.fake_tensor.DynamicOutputShapeException):
-            sized = SIZED.get(func)
-            if sized is not None:
-                # record it in a static form once the size of its output is known
-                with self.mode.recording():
-                    result = sized(self, args, kwargs)
-                if result is not None:
-                    STATS.ops_recorded -= 1   # (counted as the ops it became)
-                    return result
             return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT,
                                   FallbackReason.DATA_DEPENDENT)
         if entry.lowering is None:

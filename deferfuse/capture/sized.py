@@ -1,13 +1,16 @@
 """Data-dependent ops recorded after one small synchronization: the size of their output.
 
-``nonzero``, ``masked_select`` and indexing with a boolean mask have output shapes that depend
+``nonzero``, ``masked_select``, indexing with a boolean mask and ``repeat_interleave`` have output shapes that depend
 on values.  Rather than computing their inputs and running torch's kernel (which ends fusion
 there), the recorder computes only the count that fixes the shape (one scalar: a flush with the
 reason ``data_dependent``), then records the op in a static-shaped form (``nonzero_static``,
 ``index_select``) that lowers and fuses with what follows, as any other op.
 
-Each rule takes the recorder and the call and returns the result, or ``None`` to decline (the
-op then runs eagerly, as before: torch's kernel also raises the user's errors).
+Each rule takes the recorder and the call and returns the result, ``None`` to decline (the op
+then runs eagerly, as before: torch's kernel also raises the user's errors), or ``STATIC`` for a
+call whose output shape does not depend on values (indexing with integer indices only), which is
+recorded as usual.  A rule sees every call of its op, also those torch's meta kernel accepts:
+``repeat_interleave`` with an ``output_size`` that may not match the repeats.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from ..errors import FlushReason
 
 aten = torch.ops.aten
+STATIC = object()
 
 
 def _count(recorder, mask: torch.Tensor) -> int:
@@ -55,7 +59,9 @@ def _index_with_masks(recorder, args: tuple, kwargs: dict) -> Optional[torch.Ten
     """x[mask, i, ...]: each boolean mask becomes the integer indices of its true elements, as
     torch's indexing itself does, so only the number of those is synchronized."""
     x, indices = args
-    if kwargs or not any(i is not None and i.dtype == torch.bool for i in indices):
+    if not any(i is not None and i.dtype == torch.bool for i in indices):
+        return STATIC
+    if kwargs:
         return None
     converted: list = []
     dim = 0
@@ -73,8 +79,24 @@ def _index_with_masks(recorder, args: tuple, kwargs: dict) -> Optional[torch.Ten
     return aten.index.Tensor(x, converted)
 
 
+def _repeat_interleave(recorder, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    (repeats,) = args
+    if set(kwargs) - {"output_size"} or repeats.dim() != 1 or repeats.dtype not in (torch.int32, torch.int64):
+        return None
+    total, least = repeats.sum(), repeats.min() if repeats.numel() else repeats.sum()
+    real_total, real_least = recorder.realize((total, least), FlushReason.DATA_DEPENDENT)
+    from .recorder import no_dispatch
+    with no_dispatch():
+        size, smallest = int(real_total), int(real_least)
+    given = kwargs.get("output_size")
+    if smallest < 0 or (given is not None and given != size):
+        return None     # torch's kernel raises
+    return aten.repeat_interleave.Tensor(repeats, output_size=size)
+
+
 SIZED: dict[Any, Callable[..., Optional[torch.Tensor]]] = {
     aten.nonzero.default: _nonzero,
     aten.masked_select.default: _masked_select,
     aten.index.Tensor: _index_with_masks,
+    aten.repeat_interleave.Tensor: _repeat_interleave,
 }

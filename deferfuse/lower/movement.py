@@ -749,3 +749,17 @@ def searchsorted(ctx, sequence, values, *, out_int32=False, right=False, side=No
 @lowering(aten.bucketize.Tensor, aten.bucketize.Scalar, check=_check_searchsorted)
 def bucketize(ctx, values, boundaries, *, out_int32=False, right=False):
     return _searchsorted(ctx, boundaries, values, right, None, None)
+
+
+def _repeat_interleave_check(ctx):
+    # the recorder fills in output_size after checking it against the repeats (capture/sized.py)
+    return None if ctx.kwargs.get("output_size") is not None else "output size unknown until run"
+
+
+@lowering(aten.repeat_interleave.Tensor, check=_repeat_interleave_check)
+def repeat_interleave(ctx, repeats, *, output_size=None):
+    """Each index i of ``repeats`` repeated repeats[i] times (checked nonnegative and summing to
+    ``output_size`` before recording)."""
+    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=jnp.int64), repeats,
+                      total_repeat_length=output_size)
+
