@@ -109,3 +109,43 @@ def test_repeat_interleave_is_lowered_after_a_size_sync(program):
 ], ids=["negative", "wrong_output_size", "2d", "float"])
 def test_repeat_interleave_errors_like_strict(program):
     check(program, R)
+
+
+U = torch.tensor([[3.0, 1.0], [2.0, 1.0], [NAN, NAN], [-0.0, 0.0]])
+
+
+@pytest.mark.parametrize("program", [
+    lambda x: torch.unique(x * 1),
+    lambda x: torch.unique(x * 1, return_inverse=True, return_counts=True),    # each NaN distinct
+    lambda x: torch.unique(x * 1, sorted=False, return_inverse=True),          # CPU sorts anyway
+    lambda x: torch.unique(x.nan_to_num().long(), return_counts=True),
+    lambda x: torch.unique(x > 1, return_inverse=True),
+    lambda x: torch.unique(x[:0] * 1, return_inverse=True, return_counts=True),
+    lambda x: torch.unique(x[0, 0] * 1, return_inverse=True, return_counts=True),
+    lambda x: torch.ops.aten._unique(x.t() * 1, True, True),
+    lambda x: torch.unique_consecutive(x * 1),
+    lambda x: torch.unique_consecutive(x * 1, return_inverse=True, return_counts=True),
+    lambda x: torch.unique_consecutive(torch.tensor([1, 1, 2, 2, 3, 1]) * 1, return_counts=True),
+    lambda x: torch.unique_consecutive(x[:0] * 1, return_inverse=True, return_counts=True),
+    lambda x: torch.bincount(x.nan_to_num().long().abs().reshape(-1)),
+    lambda x: torch.bincount(torch.tensor([1, 3, 1, 0]) * 1, minlength=6),
+    lambda x: torch.bincount(torch.tensor([1, 3, 1, 0]), x[:, 0].nan_to_num()),
+    lambda x: torch.bincount(torch.tensor([1, 3, 1, 0]), torch.tensor([1, 2, 3, 4])),
+    lambda x: torch.bincount(torch.tensor([], dtype=torch.long), minlength=2),
+], ids=["unique", "unique_all", "unique_unsorted", "unique_int", "unique_bool", "unique_empty",
+        "unique_0d", "_unique", "consecutive", "consecutive_all", "consecutive_int",
+        "consecutive_empty", "bincount", "bincount_minlength", "bincount_weights",
+        "bincount_int_weights", "bincount_empty"])
+def test_unique_and_bincount_are_lowered_after_a_size_sync(program):
+    lowered(program, U, compared=True)
+
+
+@pytest.mark.parametrize("program", [
+    lambda x: torch.bincount(torch.tensor([-1, 2])),
+    lambda x: torch.bincount(x.long()),                       # not 1-d
+    lambda x: torch.bincount(torch.tensor([1.0, 2.0])),
+    lambda x: torch.unique(x.long() * 1, dim=0),
+    lambda x: torch.unique_consecutive(x * 1, dim=1),
+], ids=["bincount_negative", "bincount_2d", "bincount_float", "unique_dim", "consecutive_dim"])
+def test_unique_and_bincount_calls_it_declines_match_strict(program):
+    check(program, U)
