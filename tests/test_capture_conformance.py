@@ -226,3 +226,21 @@ def test_factory_out_variants_are_lowered_in_the_outputs_dtype(program, out):
     """zeros.out and friends went to eager torch: their functional form takes dtype and device,
     which the out= form takes from ``out``."""
     lowered(program, out, compared=True)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_mutating_op_without_a_functional_twin_records_torchs_decomposition(training):
+    """_native_batch_norm_legit writes its running statistics (positional arguments): it has no
+    out-of-place twin and ran eagerly; torch's decomposition writes them with copy_."""
+    def program(x, running_mean, running_var):
+        return aten._native_batch_norm_legit(x * 1, None, None, running_mean, running_var, training, 0.1, 1e-5)
+    deferfuse.reset_stats()
+    check(program, torch.randn(4, 3, 5), torch.zeros(3), torch.ones(3))
+    assert deferfuse.stats()["fallbacks"] == {}
+
+
+def test_random_mutating_op_keeps_torchs_generator():
+    def program(x, noise):
+        torch.manual_seed(0)
+        return aten.rrelu_with_noise_(x * 1, noise, 0.1, 0.3, True)
+    check(program, torch.randn(6), torch.zeros(6))

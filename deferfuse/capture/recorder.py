@@ -328,16 +328,24 @@ class Recorder:
         return _restructure(info, self._fresh_outputs(entry, node))
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
-        decomposition = None if entry is not None and entry.reason == meta_.NO_JAX_DTYPE else _decomposition(func)
-        if decomposition is not None:
-            with self.mode.recording():
-                result = decomposition(*args, **kwargs)
-            # (a decomposition may decline a call: adaptive_max_pool2d's, for some sizes)
+        if entry is None or entry.reason != meta_.NO_JAX_DTYPE:
+            result = self._decomposed(func, args, kwargs)
             if result is not NotImplemented:
-                STATS.decompositions[str(func)] += 1
                 return result
         reason = FallbackReason.NO_LOWERING if entry is None or entry.reason == "no lowering" else FallbackReason.CHECK_FAILED
         return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, reason)
+
+    def _decomposed(self, func, args, kwargs) -> Any:
+        """``func`` recorded as its torch._decomp decomposition, or NotImplemented when it has
+        none or it declines this call (adaptive_max_pool2d's does, for some sizes)."""
+        decomposition = _decomposition(func)
+        if decomposition is None:
+            return NotImplemented
+        with self.mode.recording():
+            result = decomposition(*args, **kwargs)
+        if result is not NotImplemented:
+            STATS.decompositions[str(func)] += 1
+        return result
 
     def record_view(self, func, info, args, kwargs) -> Any:
         base = args[0]
@@ -379,8 +387,14 @@ class Recorder:
             # nonzero.out, masked_select.out: their functional twin finds the output's size
             entry = None
         targets = _written_arguments(func, info, args, kwargs)
-        if functional is None or any(
-                not isinstance(t, torch.Tensor) or t.is_conj() or t.is_neg() for t in targets):
+        lazy_targets = any(not isinstance(t, torch.Tensor) or t.is_conj() or t.is_neg() for t in targets)
+        if functional is None and not lazy_targets and torch.Tag.nondeterministic_seeded not in func.tags:
+            # no out-of-place twin (batch norm updating its running statistics): torch's own
+            # decomposition, which writes with copy_ (random ops keep torch's generator: eager)
+            result = self._decomposed(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        if functional is None or lazy_targets:
             # (a write through a lazy conjugate or negative view stores conj(value) or -value)
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.NO_LOWERING)
         is_out = bool(set(info.written) & set(kwargs)) and "self" not in info.written
