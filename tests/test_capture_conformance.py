@@ -244,3 +244,23 @@ def test_random_mutating_op_keeps_torchs_generator():
         torch.manual_seed(0)
         return aten.rrelu_with_noise_(x * 1, noise, 0.1, 0.3, True)
     check(program, torch.randn(6), torch.zeros(6))
+
+
+@pytest.mark.parametrize("program", [
+    lambda x, t: (x * 2).resize_as_(t),                            # same number of elements
+    lambda x, t: (x * 2).resize_as_(t[:2]),                        # fewer
+    lambda x, t: (x * 2).resize_as_(t.t(), memory_format=torch.preserve_format),
+    lambda x, t: (x * 2).resize_as_(t, memory_format=torch.contiguous_format),
+], ids=["same_numel", "smaller", "preserve", "contiguous"])
+def test_resize_as_of_a_deferred_tensor_within_its_storage(program):
+    """resize_as_ raised NotImplementedError for a deferred tensor even when it only changes
+    metadata: only the template's shape matters."""
+    deferfuse.reset_stats()
+    check(program, torch.arange(6.0), torch.zeros(3, 2))
+    assert deferfuse.stats()["fallbacks"] == {}
+
+
+def test_resize_as_that_grows_a_deferred_tensor_still_says_what_to_do():
+    with pytest.raises(NotImplementedError, match="deferfuse.sync"):
+        with deferfuse.defer():
+            (torch.arange(6.0) * 2).resize_as_(torch.zeros(4, 4))

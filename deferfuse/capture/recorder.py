@@ -524,6 +524,14 @@ class Recorder:
             # contents are kept in storage terms, reads are keyed by the reader's metadata).
             with no_dispatch():
                 return func(*args, **kwargs)
+        if func is aten.resize_as_.default:
+            # only the template's shape is read: resize_ to it (torch's resize_as_ does)
+            template = args[1]
+            memory_format = args[2] if len(args) > 2 else kwargs.get("memory_format")
+            if memory_format is torch.preserve_format:
+                memory_format = _suggested_memory_format(template)
+            return self.run_inplace_view(aten.resize_.default, op_info(aten.resize_.default),
+                                         (target, tuple(template.shape)), {"memory_format": memory_format})
         if any(isinstance(a, torch.Tensor) for a in _tensors_in(args[1:], kwargs)):
             raise NotImplementedError(
                 f"{func} re-points a deferred tensor at other memory, which deferfuse does not support; "
@@ -532,7 +540,9 @@ class Recorder:
         storage = before.untyped_storage()
         func(before, *args[1:], **kwargs)
         after_storage = before.untyped_storage()
-        if after_storage._cdata != storage._cdata or after_storage.nbytes() != storage.nbytes():
+        reach = before.storage_offset() + sum((n - 1) * st for n, st in zip(before.shape, before.stride())) + 1
+        if after_storage._cdata != storage._cdata or after_storage.nbytes() != storage.nbytes() \
+                or (before.numel() and reach > target._meta.storage_numel):
             raise NotImplementedError(
                 f"{func} resizes a deferred tensor's storage, which deferfuse does not support; "
                 f"call deferfuse.sync() first or run this code under deferfuse.strict()")
@@ -813,6 +823,15 @@ def _rebind(op, functional, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     bound.update(kwargs)
     positional = tuple(bound.pop(n) for n in f_names if n in bound)
     return positional, bound
+
+
+def _suggested_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """The layout torch's resize_as_ keeps for preserve_format (ATen's suggest_memory_format)."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 def _set_bits(t: torch.Tensor, conj: bool, neg: bool) -> None:
