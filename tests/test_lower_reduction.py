@@ -570,3 +570,113 @@ def test_long_rows_decline_mode_and_kthvalue():
     y = torch.randint(0, 3, (2, 1025), generator=_gen(6))
     check(lambda y: torch.kthvalue(y, 7, 1), y, exact=True)
     assert deferfuse.stats()["fallbacks"] == {"aten.kthvalue.default": 1}
+
+
+# -- segment_reduce ------------------------------------------------------------------------------
+
+_SEGMENT_KINDS = ("sum", "mean", "max", "min", "prod")
+
+
+def _segment_data(dtype=torch.float32, shape=(8, 3)):
+    x = torch.randn(*shape, generator=_gen(11), dtype=torch.float64).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("initial", [None, 2, -0.5])
+def test_segment_reduce_lengths_and_offsets(dtype, initial):
+    x = _segment_data(dtype)
+    lengths = torch.tensor([2, 0, 3, 3])            # one empty segment
+    offsets = torch.tensor([0, 2, 2, 5, 8])
+    fns = [lambda x, r=r: torch.segment_reduce(x, r, lengths=lengths, initial=initial) for r in _SEGMENT_KINDS]
+    fns += [lambda x, r=r: torch.segment_reduce(x, r, offsets=offsets, initial=initial) for r in _SEGMENT_KINDS]
+    lowered_all(fns, x)
+
+
+def test_segment_reduce_nan_ties_and_empty():
+    x = torch.tensor([1.0, nan, 3.0, 2.0, 5.0, 5.0, 0.0, -inf, inf, 4.0])
+    lengths = torch.tensor([0, 2, 3, 0, 3, 2])
+    for initial in (None, 3, nan):
+        lowered_all([lambda x, r=r: torch.segment_reduce(x, r, lengths=lengths, initial=initial)
+                     for r in _SEGMENT_KINDS], x)
+    # offsets that start after 0 and end before the size (torch ignores the other elements)
+    offsets = torch.tensor([1, 4, 4, 7])
+    lowered_all([lambda x, r=r: torch.segment_reduce(x, r, offsets=offsets) for r in _SEGMENT_KINDS], x)
+
+
+def test_segment_reduce_axis1_and_batched_lengths():
+    x = _segment_data(torch.float32, (3, 6, 2))
+    lengths = torch.tensor([[2, 0, 4], [1, 2, 3], [6, 0, 0]])
+    offsets = torch.cat([torch.zeros(3, 1, dtype=torch.long), lengths.cumsum(1)], 1)
+    fns = [lambda x, r=r: torch.segment_reduce(x, r, lengths=lengths, axis=1) for r in _SEGMENT_KINDS]
+    fns += [lambda x, r=r: torch.segment_reduce(x, r, offsets=offsets, axis=1, initial=1) for r in _SEGMENT_KINDS]
+    lowered_all(fns, x)
+    # 2-D data, axis 1; int32 lengths; unsafe lengths that do not cover the row
+    y = _segment_data(torch.float64, (4, 5))
+    l32 = torch.tensor([[1, 4], [2, 3], [0, 5], [5, 0]], dtype=torch.int32)
+    short = torch.tensor([[1, 2], [2, 1], [0, 3], [0, 0]])
+    lowered_all([lambda y, r=r: torch.segment_reduce(y, r, lengths=l32, axis=1) for r in _SEGMENT_KINDS]
+                + [lambda y, r=r: torch.segment_reduce(y, r, lengths=short, axis=1, unsafe=True)
+                   for r in _SEGMENT_KINDS], y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_segment_reduce_half_rounds_each_step(dtype):
+    x = (torch.rand(40, 2, generator=_gen(12)) * 4 + 0.5).to(dtype)
+    lengths = torch.tensor([17, 0, 23])
+    lowered_all([lambda x, r=r: torch.segment_reduce(x, r, lengths=lengths, initial=initial)
+                 for r in _SEGMENT_KINDS for initial in (None, 1.5)], x, exact=True)
+
+
+def _segment_grad_fn(reduce, **kw):
+    def fn(x):
+        out = torch.segment_reduce(x, reduce, **kw)
+        w = torch.arange(1, out.numel() + 1, dtype=out.dtype).reshape(out.shape) - 2
+        return torch.autograd.grad((out * w).sum(), x)[0]
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_segment_reduce_backward(dtype):
+    x = torch.tensor([[1.0, 2.0], [3.0, 2.0], [3.0, 0.0], [nan, 0.0], [2.0, 5.0],
+                      [0.0, 5.0], [-1.0, 5.0], [4.0, -3.0]], dtype=dtype, requires_grad=True)
+    lengths = torch.tensor([3, 0, 2, 3])
+    offsets = torch.tensor([0, 3, 3, 5, 8])
+    for r in _SEGMENT_KINDS:
+        for initial in (None, 2):
+            lowered(_segment_grad_fn(r, lengths=lengths, initial=initial), x, compared=True)
+            lowered(_segment_grad_fn(r, offsets=offsets, initial=initial), x, compared=True)
+    y = torch.randn(2, 5, 3, generator=_gen(13), dtype=torch.float64).to(dtype).requires_grad_()
+    batched = torch.tensor([[2, 0, 3], [1, 4, 0]])
+    for r in _SEGMENT_KINDS:
+        lowered(_segment_grad_fn(r, lengths=batched, axis=1), y, compared=True)
+
+
+def test_segment_reduce_backward_op_directly():
+    # max ties split the gradient only where it is positive, as torch's CPU kernel does
+    x = torch.tensor([3.0, 3.0, 1.0, 3.0, 2.0, 2.0, nan, nan])
+    lengths = torch.tensor([4, 2, 2])
+    grad = torch.tensor([-1.5, 4.0, 6.0])
+    def fn(x, grad):
+        out = torch.segment_reduce(x, "max", lengths=lengths)
+        return aten._segment_reduce_backward(grad, out, x, "max", lengths=lengths)
+    lowered(fn, x, grad, compared=True)
+    lowered(fn, x, -grad, compared=True)
+
+
+def _segment_raises(fn, *inputs):
+    """Strict raises (lowered() checks that defer raises the same exception type)."""
+    assert lowered(fn, *inputs) is None
+
+
+def test_segment_reduce_errors():
+    x = torch.randn(6)
+    for lengths in (torch.tensor([2, 5]), torch.tensor([7, -1]), torch.tensor([2, 2])):
+        _segment_raises(lambda x: torch.segment_reduce(x, "sum", lengths=lengths), x)
+    # unsafe: a negative length still raises; decreasing offsets too
+    _segment_raises(lambda x: torch.segment_reduce(x, "sum", lengths=torch.tensor([7, -1]), unsafe=True), x)
+    _segment_raises(lambda x: torch.segment_reduce(x, "max", offsets=torch.tensor([0, 4, 2, 6])), x)
+    # metadata errors: axis not the last dim of lengths, unknown reduction, overflowing initial
+    _segment_raises(lambda x: torch.segment_reduce(x.reshape(2, 3), "sum", lengths=torch.tensor([1, 1]), axis=1), x)
+    _segment_raises(lambda x: torch.segment_reduce(x, "median", lengths=torch.tensor([6])), x)
+    _segment_raises(lambda x: torch.segment_reduce(x.half(), "sum", lengths=torch.tensor([6]), initial=1e6), x)
