@@ -201,9 +201,6 @@ FAILURE_CAUSES = {
                           "composite takes its tensor-subclass path and returns a new result instead of writing "
                           "into `out=`; strict code with a mode active behaves the same. Not fixable below the mode.",
     "linalg.matrix_rank.hermitian": "as `linalg.matrix_rank`.",
-    "resize_as_": "the OpInfo resizes a deferred tensor (`x.clone().resize_as_(y)`); deferfuse does not re-point "
-                  "or grow a deferred tensor's storage and raises NotImplementedError saying to call "
-                  "`deferfuse.sync()` first (docs/semantics.md, known differences).",
 }
 
 

@@ -156,11 +156,8 @@ _NEAREST_BACKWARD = {
 @lowering(*_NEAREST_BACKWARD, check=_check_upsample_backward)
 def upsample_nearest_backward(ctx, grad_output, output_size, input_size, *scales):
     nd, exact = _NEAREST_BACKWARD[ctx.op]
-    scales = (tuple(scales) + (None,) * nd)[:nd]
-    ft = _np_float(_acc(grad_output).dtype)
-    taps = [_taps_nearest(i, o, s, exact, ft)
-            for i, o, s in zip(input_size[-nd:], output_size, scales)]
-    return _upsample_backward(grad_output, input_size, taps)
+    return _separable_backward(grad_output, output_size, input_size, scales, nd,
+                               lambda i, o, s, ft: _taps_nearest(i, o, s, exact, ft))
 
 
 _INTERP_BACKWARD = {
@@ -174,10 +171,15 @@ _INTERP_BACKWARD = {
 @lowering(*_INTERP_BACKWARD, check=_check_upsample_backward)
 def upsample_interp_backward(ctx, grad_output, output_size, input_size, align_corners, *scales):
     nd, taps_of = _INTERP_BACKWARD[ctx.op]
+    return _separable_backward(grad_output, output_size, input_size, scales, nd,
+                               lambda i, o, s, ft: taps_of(i, o, s, align_corners, ft))
+
+
+def _separable_backward(grad_output, output_size, input_size, scales, nd: int, taps_of):
+    """The backward of an upsampling op given how it reads each spatial dim (``taps_of``)."""
     scales = (tuple(scales) + (None,) * nd)[:nd]
     ft = _np_float(_acc(grad_output).dtype)
-    taps = [taps_of(i, o, s, align_corners, ft)
-            for i, o, s in zip(input_size[-nd:], output_size, scales)]
+    taps = [taps_of(i, o, s, ft) for i, o, s in zip(input_size[-nd:], output_size, scales)]
     return _upsample_backward(grad_output, input_size, taps)
 
 
