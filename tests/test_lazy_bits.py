@@ -62,3 +62,44 @@ def test_writes_through_a_conjugate_view_store_the_conjugate():
 def test_numpy_of_a_conjugate_view_raises_like_strict():
     check(lambda z: torch.from_numpy((z * 2).conj().numpy()), Z)
     check(lambda z: torch.from_numpy((z * 2).conj().resolve_conj().numpy()), Z)
+
+
+# -- real views of complex memory (view_as_real, .real, .imag) -----------------------------------
+@pytest.mark.parametrize("program", [
+    lambda z: torch.view_as_real(z * 2),
+    lambda z: torch.view_as_real(z * 2)[..., 1] * 3,              # a view of the real view
+    lambda z: (z * 2).real + 0,
+    lambda z: (z * 2).imag.sum(),
+    lambda z: torch.view_as_real((z * 2).t()).sum(-1),
+    lambda z: torch.from_numpy(torch.view_as_real(z * 2).numpy()),
+    lambda z: torch.fft.irfft(z * 2, 4),
+], ids=["view_as_real", "select", "real", "imag", "transposed", "numpy", "irfft"])
+def test_real_views_of_pending_complex_tensors_stay_pending(program):
+    _no_fallback(program, Z)
+
+
+def test_real_view_sees_later_writes_to_its_base():
+    def program(z):
+        y = z * 2
+        r = torch.view_as_real(y)
+        y.add_(1)
+        return r + 0, y
+    _no_fallback(program, Z)
+
+
+def test_writes_through_a_real_view_reach_the_complex_tensor():
+    def program(z):
+        y = z * 2
+        torch.view_as_real(y).mul_(2)       # runs eagerly, on the computed memory
+        y.imag.add_(1)
+        return y
+    check(program, Z)
+
+
+def test_fft_gradients_through_real_views():
+    def program(z):
+        leaf = torch.complex(z.real.nan_to_num(), z.imag).requires_grad_()
+        out = torch.fft.irfft(leaf * 2, 4)
+        (grad,) = torch.autograd.grad(out.pow(2).sum(), [leaf])
+        return grad
+    _no_fallback(program, Z)

@@ -177,6 +177,10 @@ class Recorder:
         value = state.reads.get(m)
         if value is None:
             flat = self.flat(state)
+            if m.dtype != state.dtype:
+                # a real view of complex memory (view_as_real): the memory as the real dtype
+                real = TensorMeta((2 * state.numel,), (1,), 0, m.dtype, state.device, 2 * state.numel)
+                flat = self._node(graph.AS_REAL, (flat,), {}, (real,), (graph.AS_REAL,)).outputs[0]
             value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m)).outputs[0]
             state.reads[m] = value
         if isinstance(t, DeferredTensor) and (t.is_conj() or t.is_neg()):
@@ -366,7 +370,8 @@ class Recorder:
             return view
         vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
-        if any(o.dtype != state.dtype for o in entry.tensor_outs):
+        if any(o.dtype != state.dtype and not _real_view_of(o.dtype, state.dtype, func, base)
+               for o in entry.tensor_outs):
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
         views = [None if o is None else DeferredTensor(o, state, self) for o in entry.outs]
         if isinstance(base, DeferredTensor) and (base.is_conj() or base.is_neg()):
@@ -387,7 +392,10 @@ class Recorder:
             # nonzero.out, masked_select.out: their functional twin finds the output's size
             entry = None
         targets = _written_arguments(func, info, args, kwargs)
-        lazy_targets = any(not isinstance(t, torch.Tensor) or t.is_conj() or t.is_neg() for t in targets)
+        # (and writes through a real view of complex memory)
+        lazy_targets = any(not isinstance(t, torch.Tensor) or t.is_conj() or t.is_neg()
+                           or isinstance(t, DeferredTensor) and t._meta.dtype != t._storage.dtype
+                           for t in targets)
         if functional is None and not lazy_targets and torch.Tag.nondeterministic_seeded not in func.tags:
             # no out-of-place twin (batch norm updating its running statistics): torch's own
             # decomposition, which writes with copy_ (random ops keep torch's generator: eager)
@@ -823,6 +831,14 @@ def _rebind(op, functional, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     bound.update(kwargs)
     positional = tuple(bound.pop(n) for n in f_names if n in bound)
     return positional, bound
+
+
+def _real_view_of(dtype: torch.dtype, storage_dtype: torch.dtype, func, base) -> bool:
+    """A view that reads complex memory as its real dtype: view_as_real of a deferred tensor,
+    or a view of such a view (deferred: a plain tensor's views are real views already)."""
+    if not storage_dtype.is_complex or dtype != storage_dtype.to_real() or not isinstance(base, DeferredTensor):
+        return False
+    return func is aten.view_as_real.default or base._meta.dtype == dtype
 
 
 def _suggested_memory_format(t: torch.Tensor) -> torch.memory_format:

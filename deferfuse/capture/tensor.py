@@ -47,7 +47,10 @@ class DeferredTensor(torch.Tensor):
             from .recorder import materialize_states
             materialize_states([storage], reason, self._recorder)
         m = self._meta
-        data = torch.as_strided(storage.buffer, m.shape, m.stride, m.offset)
+        buffer = storage.buffer
+        if m.dtype != buffer.dtype:      # a real view of complex memory (view_as_real)
+            buffer = torch.view_as_real(buffer).reshape(-1)
+        data = torch.as_strided(buffer, m.shape, m.stride, m.offset)
         if self.is_conj():
             data = data._conj()           # (the lazy bits of a conjugate or negative view)
         if self.is_neg():

@@ -409,6 +409,9 @@ def _eager_internal(node: Node, args: tuple) -> torch.Tensor:
     if op is graph.CAST:
         value, dtype = args
         return value.to(dtype)
+    if op is graph.AS_REAL:
+        (value,) = args
+        return torch.view_as_real(value.resolve_conj()).reshape(-1)
     if op is graph.BITS:
         value, conj, neg = args
         value = value.conj_physical() if conj else value

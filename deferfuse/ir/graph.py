@@ -41,6 +41,8 @@ READ_VIEW = InternalOp("read_view")          # (flat, TensorMeta) -> strided rea
 WRITE_VIEW = InternalOp("write_view")        # (flat, value, TensorMeta) -> new flat
 FLATTEN = InternalOp("flatten")              # (value, TensorMeta) -> flat in memory order
 CAST = InternalOp("cast")                    # (value, torch.dtype) -> value
+AS_REAL = InternalOp("as_real")              # (complex flat,) -> its real and imaginary parts,
+                                             # interleaved: the memory as the real dtype
 BITS = InternalOp("bits")                    # (value, conj, neg) -> what a tensor with those
                                              # lazy bits reads: -conj(value) with both
 

@@ -136,6 +136,7 @@ INTERNAL_RULES = {
     graph.FLATTEN: lambda ctx, value, meta: flatten(value, meta),
     graph.CAST: lambda ctx, value, dtype: value,  # the caller casts to the output dtype
     graph.BITS: lambda ctx, value, conj, neg: _bits(value, conj, neg),
+    graph.AS_REAL: lambda ctx, value: jnp.stack([jnp.real(value), jnp.imag(value)], axis=-1).reshape(-1),
 }
 
 
