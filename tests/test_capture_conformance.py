@@ -264,3 +264,11 @@ def test_resize_as_that_grows_a_deferred_tensor_still_says_what_to_do():
     with pytest.raises(NotImplementedError, match="deferfuse.sync"):
         with deferfuse.defer():
             (torch.arange(6.0) * 2).resize_as_(torch.zeros(4, 4))
+
+
+def test_decomposition_that_rejects_a_call_torchs_kernel_runs():
+    """nan_to_num of a complex tensor: torch's reference decomposition raises RuntimeError
+    (complex isneginf), strict's kernel runs it."""
+    z = torch.tensor([complex(float("nan"), float("inf")), 1 - 2j], dtype=torch.complex64)
+    check(lambda z: torch.nan_to_num(z * 2), z)
+    check(lambda z: torch.nan_to_num(z * 2, nan=1.0, posinf=2.0), z)

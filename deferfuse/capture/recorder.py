@@ -333,7 +333,13 @@ class Recorder:
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
         if entry is None or entry.reason != meta_.NO_JAX_DTYPE:
-            result = self._decomposed(func, args, kwargs)
+            try:
+                result = self._decomposed(func, args, kwargs)
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                # a decomposition rejecting what torch's kernel runs (nan_to_num's reference
+                # rejects complex inputs): the kernel decides, and raises torch's own error if
+                # the call is invalid (what the decomposition recorded is never used)
+                result = NotImplemented
             if result is not NotImplemented:
                 return result
         reason = FallbackReason.NO_LOWERING if entry is None or entry.reason == "no lowering" else FallbackReason.CHECK_FAILED
