@@ -201,3 +201,37 @@ def test_linspace_logspace_of_tensors(dtype):
             + ((torch.logspace(a, b, 6, dtype=dtype), torch.logspace(a, 1.5, 4, base=2, dtype=dtype))
                if dtype != torch.int64 else ()),
             torch.tensor(-3.7), torch.tensor(8.25), exact=dtype == torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_linspace_of_tensors_bit_for_bit(dtype):
+    """With runtime endpoints, XLA turned the step's division by the constant steps - 1 into a
+    multiplication by its reciprocal: an ulp off torch on about 1 float64 linspace in 6."""
+    cases = [c for c in _linspace_cases(11, 40) if c[2] >= 2]
+    starts = torch.tensor([float(c[0]) for c in cases], dtype=torch.float64)
+    ends = torch.tensor([float(c[1]) for c in cases], dtype=torch.float64)
+    lowered(lambda s, e: tuple(torch.linspace(s[i].to(dtype), e[i].to(dtype), c[2], dtype=dtype)
+                               for i, c in enumerate(cases)),
+            starts, ends, exact=True)
+
+
+def test_linspace_wider_than_the_largest_double():
+    """An infinite step: torch's fused multiply-add gives NaN at the ends and +-inf between."""
+    f64 = torch.float64
+    lowered(lambda a, b: (torch.linspace(a, b, 5, dtype=f64), torch.linspace(a, b * 0 + float("inf"), 5, dtype=f64)),
+            torch.tensor(-1e308, dtype=torch.float64), torch.tensor(1e308, dtype=torch.float64),
+            exact=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8])
+@pytest.mark.parametrize("value", [1e308, 1e20, 70000.0, 300.0, -1.0, float("inf"), float("nan")])
+def test_tensor_endpoints_that_do_not_fit_raise_like_strict(dtype, value):
+    """A 0-dim tensor endpoint is converted to the output type as c10 converts a Scalar, which
+    raises 'value cannot be converted to type ... without overflow'; defer computed on."""
+    f64 = torch.float64
+    check(lambda a, b: (torch.linspace(a, b, 3, dtype=dtype), torch.linspace(b, a * 1, 1, dtype=dtype),
+                        torch.linspace(a, b, 0, dtype=dtype)),
+          torch.tensor(value, dtype=f64), torch.tensor(1.0, dtype=f64))
+    if dtype.is_floating_point:
+        check(lambda a, b: (torch.logspace(a, b, 3, dtype=dtype), torch.logspace(a, b, 1, dtype=dtype)),
+              torch.tensor(value, dtype=f64), torch.tensor(1.0, dtype=f64))

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import dtypes as _dtypes
 from .linalg import raise_like_cpu
-from .registry import LoweringContext, lowering
+from .registry import LoweringContext, lowering, runtime_check
 
 aten = torch.ops.aten
 
@@ -60,6 +60,31 @@ def _scalar(value, dtype):
     if jnp.dtype(dtype) == jnp.bool_:
         return value != 0
     return value.astype(dtype)
+
+
+# c10's names for the types in "value cannot be converted to type ... without overflow"
+_C10_NAMES = {jnp.dtype(jnp.float32): "float", jnp.dtype(jnp.float16): "c10::Half",
+              jnp.dtype(jnp.bfloat16): "c10::BFloat16", jnp.dtype(jnp.int64): "int64_t",
+              jnp.dtype(jnp.int32): "int", jnp.dtype(jnp.int16): "int16_t",
+              jnp.dtype(jnp.int8): "int8_t", jnp.dtype(jnp.uint8): "uint8_t"}
+
+
+def _checked_scalar(value, dtype):
+    """_scalar of a runtime value (a 0-dim tensor passed as a Scalar), raising as c10's
+    checked conversion does when the value does not fit ``dtype`` (NaN fits no integer type;
+    infinities fit every float type).  Python numbers were checked when the op was recorded."""
+    dtype = jnp.dtype(dtype)
+    if isinstance(value, (bool, int, float)) or dtype not in _C10_NAMES:
+        return _scalar(value, dtype)
+    wide = jnp.asarray(value).astype(_F64)
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        failed = ~((wide >= float(info.min)) & (wide <= float(info.max)))
+    else:
+        largest = float(jnp.finfo(dtype).max)
+        failed = jnp.isfinite(wide) & (jnp.abs(wide) > largest)
+    runtime_check(failed, RuntimeError, f"value cannot be converted to type {_C10_NAMES[dtype]} without overflow")
+    return _scalar(value, dtype)
 
 
 # -- constant fills ------------------------------------------------------------------------------
@@ -232,34 +257,56 @@ def arange_start_step(ctx, start, end, step=1, **kwargs):
           aten.linspace.Scalar_Tensor, check=_check_range)
 def linspace(ctx, start, end, steps, **kwargs):
     dtype = ctx.out_dtype
-    if steps <= 1:
-        return jnp.full(ctx.out_shape, _scalar(start, dtype), dtype)
+    if steps == 0:
+        return jnp.zeros(ctx.out_shape, dtype)
+    start, end = _checked_scalar(start, dtype), _checked_scalar(end, dtype)
+    if steps == 1:
+        return jnp.full(ctx.out_shape, start, dtype)
+    if dtype in _HALF_TYPES or jnp.dtype(dtype) == jnp.float32:
+        return linspace_values(start, end, steps, dtype)
+    # float64 and integer outputs compute in double; integers truncate the result.
+    return linspace_values(start.astype(_F64), end.astype(_F64), steps, _F64).astype(dtype)
+
+
+def exact_div(a, b):
+    """a / b, rounded once.  XLA's algebraic simplifier turns a division by a constant into a
+    multiplication by its (rounded) reciprocal, an ulp off torch's quotient; the barrier keeps
+    the divisor opaque."""
+    return a / lax.optimization_barrier(b)
+
+
+def linspace_values(start, end, steps: int, dtype):
+    """torch.linspace(start, end, steps) for ``steps`` >= 2, as the CPU kernel computes it:
+    the first half from ``start``, the second from ``end``.  ``start`` and ``end`` are traced
+    scalars of ``dtype`` (a half type, float32 or float64)."""
     i = np.arange(steps)
-    halfway = steps // 2
-    head = i < halfway
+    head = i < steps // 2
     if dtype in _HALF_TYPES:
         # c10::Half arithmetic rounds every intermediate to the type itself.
-        start, end = _scalar(start, dtype), _scalar(end, dtype)
-        step = (end - start) / jnp.asarray(steps - 1, dtype)
+        step = exact_div(end - start, jnp.asarray(steps - 1, dtype))
         k = jnp.asarray(np.where(head, i, steps - i - 1), dtype)
         return jnp.where(head, start + step * k, end - step * k)
+    k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
     if jnp.dtype(dtype) == jnp.float32:
         # step * i is exact in double for i < 2**29, so one rounding of the sum to float32
         # stands for the fused multiply-add (up to rare double-rounding ties).
-        start, end = _scalar(start, dtype), _scalar(end, dtype)
-        step = ((end - start) / np.float32(steps - 1)).astype(_F64)
-        k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
+        step = exact_div(end - start, jnp.asarray(steps - 1, jnp.float32)).astype(_F64)
         values = jnp.where(head, start.astype(_F64) + step * k, end.astype(_F64) - step * k)
         return values.astype(dtype)
-    # float64 and integer outputs compute in double; integers truncate the result.
-    if jnp.issubdtype(dtype, jnp.integer):
-        start, end = _scalar(start, dtype).astype(_F64), _scalar(end, dtype).astype(_F64)
-    else:
-        start, end = _scalar(start, _F64), _scalar(end, _F64)
-    step = (end - start) / float(steps - 1)
+    return _halves_f64(start, end, exact_div(end - start, jnp.asarray(steps - 1, _F64)), steps)
+
+
+def _halves_f64(start, end, step, steps: int):
+    """start + step * i for the first half of ``steps`` and end - step * (steps - 1 - i) for the
+    second, each a fused multiply-add, in float64."""
+    i = np.arange(steps)
+    head = i < steps // 2
     k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
-    values = jnp.where(head, _fma_f64(step, k, start), _fma_f64(-step, k, end))
-    return values.astype(dtype)
+    fused = jnp.where(head, _fma_f64(step, k, start), _fma_f64(-step, k, end))
+    # the exact multiply-add splits the step, which an infinite step (a range wider than the
+    # largest double) turns into NaN; a fused multiply-add gives inf there, or NaN at k = 0
+    plain = jnp.where(head, start + step * k, end - step * k)
+    return jnp.where(jnp.isfinite(step), fused, plain)
 
 
 @lowering(aten.range.default, aten.range.step, check=_check_range)
@@ -285,15 +332,16 @@ def logspace(ctx, start, end, steps, base=10.0, **kwargs):
     is exact at integral exponents, and elsewhere within an ulp of libm's, so truncation agrees
     except for a power within an ulp of an integer at a fractional exponent."""
     dtype = ctx.out_dtype
-    if steps <= 1:
-        return jnp.full(ctx.out_shape, jnp.power(base, _scalar(start, _F64)), _F64)
-    start, end = _scalar(start, dtype), _scalar(end, dtype)
-    step = (end - start).astype(_F64) / float(steps - 1)
-    i = np.arange(steps)
-    head = i < steps // 2
-    k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
-    exponent = jnp.where(head, _fma_f64(step, k, start.astype(_F64)),
-                         _fma_f64(-step, k, end.astype(_F64)))
+    if steps == 0:
+        return jnp.zeros(ctx.out_shape, dtype)
+    if steps == 1:   # torch fills in pow(base, start): a checked Scalar conversion, but
+        value = jnp.power(jnp.asarray(base, _F64), _scalar(start, _F64))
+        if dtype in _HALF_TYPES:   # half types go through float, unchecked
+            return jnp.full(ctx.out_shape, value.astype(jnp.float32), dtype)
+        return jnp.full(ctx.out_shape, _checked_scalar(value, dtype), dtype)
+    start, end = _checked_scalar(start, dtype), _checked_scalar(end, dtype)
+    step = exact_div((end - start).astype(_F64), jnp.asarray(steps - 1, _F64))
+    exponent = _halves_f64(start.astype(_F64), end.astype(_F64), step, steps)
     return jnp.power(jnp.asarray(base, _F64), exponent)
 
 
