@@ -164,8 +164,8 @@ def test_empty_matrices():
 # -- linalg.lu, householder_product, ormqr, matrix_exp -------------------------------------------
 
 def _qr_parts(dtype, *shape):
-    """Householder reflectors and their scalars as torch.geqrf leaves them (computed eagerly:
-    geqrf has no meta kernel, so it is not lowered)."""
+    """Householder reflectors and their scalars as torch.geqrf leaves them (computed eagerly,
+    outside defer)."""
     g = torch.Generator().manual_seed(sum(shape))
     return torch.geqrf(torch.randn(*shape, generator=g, dtype=dtype))
 

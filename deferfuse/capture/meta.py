@@ -22,7 +22,7 @@ import torch
 
 from ..ir.meta import TensorMeta
 from ..lower import dtypes as _dtypes
-from ..lower.registry import Lowering, LoweringContext, RuntimeScalar, get_lowering
+from ..lower.registry import Lowering, LoweringContext, RuntimeScalar, get_lowering, get_shape_rule
 from ..stats import STATS
 
 
@@ -105,10 +105,16 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
             # an out= tensor of the wrong size: the recorder resizes the real one and warns
             # then, as torch's kernel does, whether or not this inference is cached
             warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
-            result = op(*meta_args, **meta_kwargs)
+            try:
+                result = op(*meta_args, **meta_kwargs)
+            except NotImplementedError:
+                rule = _shape_rule(op)
+                if rule is None:
+                    raise
+                result = rule(*meta_args, **meta_kwargs)
     except NotImplementedError as meta_error:
-        # No meta kernel (or a data-dependent one, nonzero's): only the real kernel can say,
-        # and it raises the user's errors itself when it runs.
+        # No meta kernel and no shape rule (or a data-dependent op, nonzero): only the real
+        # kernel can say, and it raises the user's errors itself when it runs.
         _CACHE[key] = _NO_META
         raise NoMeta(str(op)) from meta_error
     except Exception as meta_error:
@@ -138,6 +144,38 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     entry = MetaEntry(outs, tensor_outs, lowering, reason, ctx)
     _CACHE[key] = entry
     return entry
+
+
+def _shape_rule(op: torch._ops.OpOverload):
+    """The registered shape rule of ``op``; for an ``out=`` overload without one, a rule derived
+    from its functional twin's: the out tensors, resized to the functional outputs' shapes as
+    torch's kernels resize them (None where there is neither)."""
+    rule = get_shape_rule(op)
+    if rule is not None:
+        return rule
+    from .classify import functional_variant, op_info  # (classify imports nothing of ours)
+    functional = functional_variant(op)
+    written = op_info(op).written
+    base_rule = get_shape_rule(functional) if functional is not None and written else None
+    if base_rule is None or torch.Tag.inplace in op.tags:
+        return None
+
+    def out_rule(*args, **kwargs):
+        outs = [kwargs.pop(name) for name in written]
+        results = base_rule(*args, **kwargs)
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        for out, result in zip(outs, results):
+            if out.dtype != result.dtype:
+                raise NotImplementedError("out= of another dtype: the kernel decides")
+            if out.numel() == 0:
+                # an empty out= takes the result's layout (geqrf's column-major matrices);
+                # the recorder lays the real tensor out the same way
+                out.set_(result)
+            elif out.shape != result.shape:
+                out.resize_(result.shape)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return out_rule
 
 
 _SMALL = 1 << 16

@@ -28,7 +28,7 @@ from jax import lax
 
 from . import dtypes as _dtypes
 from ..ir.meta import TensorMeta
-from .registry import LoweringContext, lowering, replay_on_cpu
+from .registry import LoweringContext, lowering, replay_on_cpu, shape_rule
 
 aten = torch.ops.aten
 
@@ -700,6 +700,48 @@ def ormqr(ctx, a, tau, other, left=True, transpose=False):
         w = jnp.einsum("...nm,...m->...n", c, v, precision=_HIGHEST)
         return c - (t[..., None] * w[..., :, None]) * v[..., None, :]
     return lax.fori_loop(0, k, body, other)
+
+
+# -- geqrf ---------------------------------------------------------------------------------------
+# aten.geqrf has no meta kernel; its shape rule reproduces the CPU kernel's outputs: ``a`` as a
+# batch of column-major matrices (at::native::batched_matrix_contiguous_strides with f_contig, the
+# layout LAPACK writes), ``tau`` (..., min(m, n)) contiguous.  The lowering is jaxlib's LAPACK
+# geqrf (through jnp.linalg.qr(mode="raw"), which runs lax.linalg's geqrf primitive and transposes),
+# the same routine as torch's, so the packed reflectors and taus agree to rounding (measured:
+# <= 3e-15 in float64 on 40x30).  Integer and half inputs: the CPU kernel's NotImplementedError.
+
+_GEQRF_DTYPES = frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128})
+
+
+def _f_contiguous_strides(shape) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    if len(shape) >= 2:
+        strides[-1], strides[-2] = max(shape[-2], 1), 1
+    return strides
+
+
+@shape_rule(aten.geqrf.default)
+def geqrf_shape(a):
+    if a.dim() < 2:
+        raise RuntimeError("torch.geqrf: input must have at least 2 dimensions.")
+    if a.dtype not in _GEQRF_DTYPES:
+        # NotImplementedError means "only the kernel can say": it runs, and raises its own
+        # NotImplementedError ('"geqrf_cpu" not implemented for ...')
+        raise NotImplementedError(f"geqrf_cpu: {a.dtype}")
+    shape = tuple(a.shape)
+    qr = torch.empty_strided(shape, _f_contiguous_strides(shape), dtype=a.dtype, device="meta")
+    tau = torch.empty(shape[:-2] + (min(shape[-2], shape[-1]),), dtype=a.dtype, device="meta")
+    return qr, tau
+
+
+@lowering(aten.geqrf.default, check=_check_linalg)
+@_linalg_rule
+def geqrf(ctx, a):
+    # (empty inputs: _linalg_rule answers with empty outputs)
+    h, tau = jnp.linalg.qr(a, mode="raw")      # lax.linalg's geqrf, its result transposed
+    return jnp.swapaxes(h, -1, -2), tau
 
 
 # Bader, Blanes and Casas's polynomials as torch evaluates them (aten LinearAlgebra.cpp): the

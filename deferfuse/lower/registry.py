@@ -67,6 +67,32 @@ def get_lowering(op: torch._ops.OpOverload) -> Optional[Lowering]:
     return LOWERINGS.get(op)
 
 
+# Output metadata of ops that have no meta kernel (geqrf, histogram): called with the call's
+# arguments as meta tensors, a rule returns what torch's kernel would (meta tensors of the output
+# shapes and dtypes), or raises NotImplementedError where only the real kernel can say.
+ShapeRule = Callable[..., Any]
+SHAPE_RULES: dict[torch._ops.OpOverload, ShapeRule] = {}
+
+
+def shape_rule(*ops: torch._ops.OpOverload) -> Callable[[ShapeRule], ShapeRule]:
+    """Register ``rule`` as the output-metadata function of each overload in ``ops``, for ops
+    without a meta kernel.  Register functional overloads only: an ``out=`` overload whose
+    functional twin has a rule gets one derived from it (see ``capture.meta``)."""
+    def register(rule: ShapeRule) -> ShapeRule:
+        for op in ops:
+            if op in SHAPE_RULES:
+                raise DuplicateLoweringError(f"{op} already has a shape rule, {SHAPE_RULES[op].__qualname__}")
+            SHAPE_RULES[op] = rule
+        return rule
+
+    return register
+
+
+def get_shape_rule(op: torch._ops.OpOverload) -> Optional[ShapeRule]:
+    _load_families()
+    return SHAPE_RULES.get(op)
+
+
 @functools.cache
 def _load_families() -> None:
     # Importing a family module registers its rules.
