@@ -1,5 +1,6 @@
 """Neural-network lowerings: convolution (and its backward), embedding, nll_loss, pooling,
-nearest upsampling and the pointwise losses that reach aten as single ops.
+nearest upsampling, the pointwise losses that reach aten as single ops, and the chunked
+linear_cross_entropy custom ops (torch_nn namespace).
 
 Conventions:
 - float16/bfloat16 compute in float32 and round once at the end, as torch's CPU kernels
@@ -26,7 +27,7 @@ import torch
 from jax import lax
 
 from .linalg import raise_like_cpu
-from .registry import bounds_check, LoweringContext, lowering
+from .registry import bounds_check, LoweringContext, lowering, runtime_check
 
 aten = torch.ops.aten
 
@@ -536,3 +537,157 @@ def binary_cross_entropy_with_logits(ctx, x, target, weight=None, pos_weight=Non
     if weight is not None:
         loss = loss * _acc(weight)
     return _reduce(loss, reduction)
+
+
+# -- chunked linear_cross_entropy ----------------------------------------------------------------
+#
+# F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(...)) calls one of two custom ops
+# (torch/nn/modules/linear_cross_entropy.py) that walk the batch in chunks of batch_chunk_size
+# rows so that only a (chunk, classes) block of logits exists at a time:
+# - _linear_cross_entropy_batch_chunked (reduction mean or sum) returns the loss and, for the
+#   operands its compute_*_grad flags name, the gradients of the loss (its autograd backward only
+#   multiplies them by the incoming gradient);
+# - _linear_cross_entropy_batch_chunked_no_reduction returns the per-row losses (its backward
+#   re-runs torch's chunked Python loop, which records as ordinary aten ops).
+# Each row n has the signed weight c_n: -w[t_n] / sum(w[t]) for mean, -w[t_n] for sum, +w[t_n] for
+# the per-row losses, and 0 where t_n == ignore_index.  A chunk computes the shifted logits
+# s = x W^T + b - max, adds c.s[t] and subtracts c.log(sum exp s) from the loss, and with
+# P = exp(s) * (c / sum exp s) (the softmax scaled by c) accumulates the gradients
+# b: -sum_n P + c scattered to t; input: c W[t] - P W; W: -P^T x + (x c) scattered to rows t.
+# The loop here is a lax.scan over the full chunks plus the partial last one, with torch's
+# per-chunk operation order, so memory stays bounded the same way and the cross-chunk sums add up
+# in torch's order.  Only the single-dtype float32/float64 path is lowered: fp16/bf16 inputs (a
+# float32 accumulator, with policy-dependent roundings) and calls torch rejects run eagerly.
+
+try:
+    import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the torch_nn ops)
+    _LCE_OPS = (torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default,
+                torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default)
+except (ImportError, AttributeError):   # a torch without the chunked ops
+    _LCE_OPS = ()
+
+
+def _check_lce(ctx: LoweringContext) -> Optional[str]:
+    names = [a.name for a in ctx.op._schema.arguments]
+    call = dict(zip(names, ctx.args), **ctx.kwargs)
+    x, w, target = call["input"], call["linear_weight"], call["target"]
+    bias, weight = call.get("linear_bias"), call.get("weight")
+    reduced = ctx.op is _LCE_OPS[0]
+    reduction = call["reduction"] if reduced else "none"
+    label_smoothing = call["label_smoothing"] if reduced else 0.0
+    chunk, policy, acc_dtype = call["batch_chunk_size"], call["acc_policy"], call["acc_dtype"]
+    # (torch raises for most of the calls declined here: run eagerly, the op says how)
+    if x.dtype not in (torch.float32, torch.float64) or w.dtype != x.dtype or acc_dtype != x.dtype:
+        return "only the single-dtype float32/float64 chunked path is lowered"
+    if len(x.shape) != 2 or len(w.shape) != 2 or target.shape != x.shape[:1] or w.shape[1] != x.shape[1]:
+        return "unexpected operand shapes"
+    if target.dtype != torch.int64 or w.shape[0] == 0 or not isinstance(chunk, int) or chunk <= 0:
+        return "an invalid call"
+    if reduction not in ("mean", "sum", "none") or (reduced and reduction == "none"):
+        return "an invalid reduction"
+    if label_smoothing > 0.0 or policy not in ("accurate", "balanced", "compact"):
+        return "an invalid call"
+    for t in (bias, weight):
+        if t is not None and (not t.dtype.is_floating_point or t.shape != w.shape[:1]):
+            return "an unexpected bias or class weight"
+    return None
+
+
+def _lce_chunked(ctx, x, w, target, bias, weight, reduction: str, ignore_index: int, chunk: int,
+                 compact: bool, want_gi: bool, want_gw: bool, want_gb: bool):
+    """(loss, grad_input, grad_linear_weight, grad_linear_bias) as torch's chunked loop computes
+    them; the loss is per row for reduction "none" (and no gradients are computed then)."""
+    dt = x.dtype
+    n_rows, classes = x.shape[0], w.shape[0]
+    ignored = target == ignore_index
+    safe = jnp.where(ignored, 0, target) if not 0 <= ignore_index < classes else target
+    # an out-of-range target: torch's first use of it raises (index_select of the class weights,
+    # else the gather of the target logits)
+    if weight is None:
+        c = (~ignored).astype(dt)
+        error = RuntimeError
+        message = f"{ctx.op}: index {{value}} is out of bounds for dimension 1 with size {classes}"
+    else:
+        c = jnp.where(ignored, jnp.zeros((), dt), weight.astype(dt)[jnp.clip(safe, 0, classes - 1)])
+        error, message = IndexError, f"{ctx.op}: index out of range in self"
+    runtime_check((safe < 0) | (safe >= classes), error, message, safe)
+    if reduction == "mean":
+        d = c.sum()
+        c = c / jnp.where(d == 0, jnp.asarray(jnp.nan, dt), -d)
+    elif reduction == "sum":
+        c = -c
+    per_row = reduction == "none"
+    bias_ = None if bias is None else bias.astype(dt)
+    w_t = w.T
+
+    def step(carry, rows):
+        loss, gw, gb = carry
+        xc, tc, cc = rows
+        logits = jnp.matmul(xc, w_t, precision=_HIGHEST)
+        if bias_ is not None:
+            logits = logits + bias_
+        s = logits - logits.max(axis=1, keepdims=True)
+        picked = jnp.take_along_axis(s, tc[:, None], axis=1)[:, 0]
+        e = jnp.exp(s)
+        denom = e.sum(axis=1)
+        if per_row:
+            return carry, (jnp.log(denom) - picked) * cc
+        loss = loss + jnp.dot(cc, picked, precision=_HIGHEST)
+        p = e * (cc / denom)[:, None]
+        loss = loss - jnp.dot(cc, jnp.log(denom), precision=_HIGHEST)
+        if want_gb:
+            gb = (gb - p.sum(axis=0)).at[tc].add(cc)
+        gi = None
+        if want_gi:
+            gi = w[tc] * cc[:, None] - jnp.matmul(p, w, precision=_HIGHEST)
+        if want_gw:
+            bulk = jnp.matmul(p.T, xc, precision=_HIGHEST)
+            if compact:
+                gw = (gw - bulk).at[tc].add(xc * cc[:, None])
+            else:
+                gw = gw - bulk.at[tc].add(-(xc * cc[:, None]))
+        return (loss, gw, gb), gi
+
+    carry = (jnp.zeros((), dt), jnp.zeros(w.shape if want_gw else (0, 0), dt),
+             jnp.zeros(w.shape[:1] if want_gb else (0,), dt))
+    full = n_rows // chunk
+    pieces = []
+    if full:
+        span = full * chunk
+        rows = (x[:span].reshape(full, chunk, -1), safe[:span].reshape(full, chunk),
+                c[:span].reshape(full, chunk))
+        carry, ys = lax.scan(step, carry, rows)
+        if ys is not None:
+            pieces.append(ys.reshape((span,) + ys.shape[2:]))
+    if n_rows % chunk:
+        start = full * chunk
+        carry, y = step(carry, (x[start:], safe[start:], c[start:]))
+        if y is not None:
+            pieces.append(y)
+    loss, gw, gb = carry
+    if per_row:
+        return jnp.concatenate(pieces) if pieces else jnp.zeros((0,), dt)
+    if reduction == "mean" and n_rows == 0:
+        loss = jnp.asarray(jnp.nan, dt)
+    if want_gi:
+        gi = jnp.concatenate(pieces) if pieces else jnp.zeros(x.shape, dt)
+    else:
+        gi = jnp.zeros((0, 0), dt)
+    return loss, gi, gw, gb
+
+
+if _LCE_OPS:
+    @lowering(_LCE_OPS[0], check=_check_lce)
+    def linear_cross_entropy_batch_chunked(ctx, x, w, target, bias, weight, reduction, ignore_index,
+                                           label_smoothing, batch_chunk_size, acc_policy, acc_dtype,
+                                           allow_retain_graph, compute_input_grad,
+                                           compute_linear_weight_grad, compute_linear_bias_grad):
+        return _lce_chunked(ctx, x, w, target, bias, weight, reduction, ignore_index,
+                            batch_chunk_size, acc_policy == "compact", compute_input_grad,
+                            compute_linear_weight_grad, compute_linear_bias_grad)
+
+    @lowering(_LCE_OPS[1], check=_check_lce)
+    def linear_cross_entropy_batch_chunked_no_reduction(ctx, x, w, target, bias, weight, ignore_index,
+                                                        batch_chunk_size, acc_policy, acc_dtype):
+        return _lce_chunked(ctx, x, w, target, bias, weight, "none", ignore_index, batch_chunk_size,
+                            False, False, False, False)

@@ -1,6 +1,6 @@
 """Backward ops of nn forward ops (upsampling, replication padding, grid sampling, max pooling,
-distances) and a few reductions that reach aten as single ops (adaptive max pooling, pdist, cdist,
-histc, hash_tensor).
+distances), antialiased bilinear upsampling and its backward, and a few reductions that reach
+aten as single ops (adaptive max pooling, pdist, cdist, histc, hash_tensor).
 
 Conventions (those of nn.py, whose helpers this module reuses):
 - float16/bfloat16 compute in float32 and round once at the end.
@@ -181,6 +181,148 @@ def _separable_backward(grad_output, output_size, input_size, scales, nd: int, t
     ft = _np_float(_acc(grad_output).dtype)
     taps = [taps_of(i, o, s, ft) for i, o, s in zip(input_size[-nd:], output_size, scales)]
     return _upsample_backward(grad_output, input_size, taps)
+
+
+# -- antialiased bilinear upsampling (interpolate(mode="bilinear", antialias=True)) --------------
+#
+# torch's CPU kernel (UpSampleKernel.cpp, HelperInterpBase::_compute_indices_min_size_weights_aa)
+# is separable: along each spatial dim, output position i reads the input window
+# [xmin, xmin + xsize) with the triangle filter 1 - |t| stretched by the downscale factor (its
+# support is max(scale, 1) input pixels either side of the window's centre scale * (i + 0.5)), the
+# weights normalised to sum 1.  Everything is computed in the input's dtype (float for float32),
+# with the C++ promotions to double that the kernel's literals cause.  The forward resamples the
+# width first, then the height, each as t0 * w0 + t1 * w1 + ... in order, and skips a dim whose
+# size does not change (all of it when no size changes); the backward kernel computes the weights
+# of both dims whatever the sizes, and adds (wx * wy) * grad to every input pixel of the window.
+
+def _aa_weights(in_size: int, out_size: int, scale, align_corners: bool, ft):
+    """(window starts [out], window sizes [out], weights [out, taps]) of one dim, as torch's
+    kernel computes them for a tensor whose dtype computes in ``ft``."""
+    f64 = np.float64
+    s = _area_scale(in_size, out_size, align_corners, scale, ft)
+    wide = s >= 1.0
+    support = ft(f64(s)) if wide else ft(1.0)       # (interp_size * 0.5) * scale, interp_size 2
+    taps = int(math.ceil(support)) * 2 + 1
+    invscale = ft(1.0 / f64(s)) if wide else ft(1.0)
+    i = np.arange(out_size)
+    center = (f64(s) * (i + 0.5)).astype(ft)         # scale * (i + 0.5) in double, stored
+    lo = ((center - support).astype(ft).astype(f64) + 0.5).astype(np.int64)   # C++ truncation
+    hi = ((center + support).astype(ft).astype(f64) + 0.5).astype(np.int64)
+    xmin = np.maximum(lo, 0)
+    xsize = np.clip(np.minimum(hi, in_size) - xmin, 0, taps)
+    j = np.arange(taps)
+    # filter((j + xmin - center + 0.5) * invscale): (int - float) in ft, the rest in double, the
+    # argument and the result stored in ft
+    rel = ((j[None, :] + xmin[:, None]).astype(ft) - center[:, None]).astype(ft)
+    t = np.abs(((rel.astype(f64) + 0.5) * f64(invscale)).astype(ft))
+    w = np.where(t < 1.0, (1.0 - t.astype(f64)).astype(ft), ft(0)).astype(ft)
+    w = np.where(j[None, :] < xsize[:, None], w, ft(0)).astype(ft)
+    total = np.zeros(out_size, ft)
+    for k in range(taps):                           # summed in ft, in order
+        total = (total + w[:, k]).astype(ft)
+    # (the kernel leaves the weights as they are when they sum to 0)
+    divisor = np.where(total == 0, ft(1), total)[:, None]
+    return xmin, xsize, (w / divisor).astype(ft)
+
+
+# Above this many taps a dim is applied as one gather and a sum instead of a chain of gathers.
+_AA_UNROLL = 16
+
+
+def _apply_aa_dim(x, axis: int, xmin, xsize, weights, *, backward: bool):
+    """Resample ``x`` along ``axis`` with the windows and weights of ``_aa_weights``.  Taps past a
+    window's size read nothing (a 0 weight would still turn an infinite input into NaN); the
+    forward kernel always reads the first tap (with weight 0 if the window is empty), its
+    backward only the window."""
+    in_size = x.shape[axis]
+    out_size, taps = weights.shape
+    j = np.arange(taps)
+    idx = np.minimum(xmin[:, None] + j[None, :], max(in_size - 1, 0))
+    used = j[None, :] < xsize[:, None]
+    if not backward:
+        used = used | (j[None, :] == 0)
+    trailing = (1,) * (x.ndim - axis - 1)
+    if in_size == 0 or out_size == 0:
+        shape = list(x.shape)
+        shape[axis] = out_size
+        return jnp.zeros(shape, x.dtype)
+    if taps <= _AA_UNROLL:
+        out = None
+        for k in range(taps):
+            if not used[:, k].any():
+                continue
+            part = jnp.take(x, jnp.asarray(idx[:, k]), axis=axis)
+            part = part * jnp.asarray(weights[:, k], x.dtype).reshape((-1,) + trailing)
+            if not used[:, k].all():
+                part = jnp.where(jnp.asarray(used[:, k]).reshape((-1,) + trailing), part,
+                                 jnp.zeros((), x.dtype))
+            out = part if out is None else out + part
+        return out
+    parts = jnp.take(x, jnp.asarray(idx.reshape(-1)), axis=axis)
+    parts = parts.reshape(x.shape[:axis] + (out_size, taps) + x.shape[axis + 1:])
+    w = jnp.asarray(weights, x.dtype).reshape((out_size, taps) + trailing)
+    parts = jnp.where(jnp.asarray(used).reshape((out_size, taps) + trailing), parts * w,
+                      jnp.zeros((), x.dtype))
+    return parts.sum(axis=axis + 1)
+
+
+def _upsample_aa(x, out_hw, align_corners: bool, scales, *, backward: bool = False,
+                 first_row_only: bool = False):
+    """The antialiased bilinear resampling of ``x``'s last two dims to ``out_hw``: the forward
+    kernel's arithmetic, or (``backward``) the map whose transpose the backward kernel adds.
+    ``first_row_only``: every output row reads the window and weights of row 0 (see
+    ``_aa_rows_quirk``)."""
+    ft = _np_float(x.dtype)
+    in_hw = x.shape[-2:]
+    if not backward and tuple(in_hw) == tuple(out_hw):
+        return x
+    for axis in (x.ndim - 1, x.ndim - 2):           # width first, then height
+        k = axis - (x.ndim - 2)
+        if not backward and in_hw[k] == out_hw[k]:
+            continue
+        xmin, xsize, weights = _aa_weights(in_hw[k], out_hw[k], scales[k], align_corners, ft)
+        if k == 0 and first_row_only and out_hw[0] > 0:
+            xmin, xsize, weights = (np.broadcast_to(a[:1], a.shape) for a in (xmin, xsize, weights))
+        x = _apply_aa_dim(x, axis, xmin, xsize, weights, backward=backward)
+    return x
+
+
+def _aa_rows_quirk(ctx: LoweringContext, in_hw, out_hw) -> bool:
+    """Whether torch's forward kernel gives every output row the window and weights of row 0.
+    Its height pass reads the row's window from the first element of each inner loop, assuming
+    the loop runs along the width (or the channels, for channels-last tensors); when the output
+    is one pixel wide and laid out with the height innermost, the loop runs down the column.
+    (Large outputs split across threads restart the column mid-way; that is not modelled.)"""
+    if out_hw[1] != 1 or in_hw[0] == out_hw[0]:
+        return False
+    out = ctx.out[0]
+    dims = [d for d in range(len(out.shape)) if out.shape[d] > 1]
+    return bool(dims) and min(dims, key=lambda d: out.stride[d]) == len(out.shape) - 2
+
+
+def _check_aa(ctx: LoweringContext) -> Optional[str]:
+    dtype = ctx.args[0].dtype
+    if dtype in (torch.float32, torch.float64):
+        return None
+    if dtype == torch.uint8 or dtype.is_complex:
+        return f"{dtype} antialiased upsampling is not lowered"
+    return raise_like_cpu(ctx)      # half types and integers: "not implemented for 'Half'"
+
+
+@lowering(aten._upsample_bilinear2d_aa.default, check=_check_aa)
+def upsample_bilinear2d_aa(ctx, x, output_size, align_corners, scales_h=None, scales_w=None):
+    out_hw = ctx.out_shape[-2:]
+    return _upsample_aa(x, out_hw, align_corners, (scales_h, scales_w),
+                        first_row_only=_aa_rows_quirk(ctx, x.shape[-2:], out_hw))
+
+
+@lowering(aten._upsample_bilinear2d_aa_backward.default, check=_check_aa)
+def upsample_bilinear2d_aa_backward(ctx, grad_output, output_size, input_size, align_corners,
+                                    scales_h=None, scales_w=None):
+    def resample(x):
+        return _upsample_aa(x, tuple(output_size), align_corners, (scales_h, scales_w), backward=True)
+    zeros = jnp.zeros(tuple(input_size), grad_output.dtype)
+    return jax.vjp(resample, zeros)[1](grad_output)[0]
 
 
 # -- replication padding -------------------------------------------------------------------------
