@@ -671,17 +671,19 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
     states = [s for s in states if s.contents is not None]
     if not states:
         return
-    snapshot = False
+    snapshot, nodes = False, None
     if recorder is not None:
-        states, snapshot = _widen(states, recorder)
+        states, snapshot, nodes = _widen(states, recorder)
     STATS.flushes[reason.value] += 1
     with no_dispatch(), torch.profiler.record_function("deferfuse.flush"):
         targets: list[Value] = []
         for s in states:
             if s.contents[0] == "root" and not _is_plain_root(s):
                 _flatten_detached(s)
+                nodes = None   # (a new node to compute)
             targets.append(s.contents[1])
-        nodes = graph.ancestors(targets)
+        if nodes is None:
+            nodes = graph.ancestors(targets)
         all_states = states
         to_compute = [v for v in targets if v.result is None]
         trigger = user_source() if recorder is None or recorder.record_source else None
@@ -717,14 +719,17 @@ _SMALL_FLUSH_NODES = 64
 _SNAPSHOT_BYTES = 1 << 16
 
 
-def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[StorageState], bool]:
-    """(states to compute, whether to snapshot old memory before writing it back)."""
+def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[StorageState], bool, Optional[list[Node]]]:
+    """(states to compute, whether to snapshot old memory before writing it back, and the
+    pending nodes they need when that is known already)."""
     nodes = graph.ancestors([s.contents[1] for s in states])
     small = len(nodes) <= _SMALL_FLUSH_NODES and all(v.meta.numel <= 1 for n in nodes for v in n.outputs)
     if small and all(s.buffer is None or s.numel * s.dtype.itemsize <= _SNAPSHOT_BYTES for s in states):
-        return states, True
+        return states, True, nodes
     chosen = {id(s): s for s in states}
     others = [p for p in recorder.pending_states() if id(p) not in chosen]
+    if not others:
+        return states, False, nodes
     computed = _shared_work(nodes)
     written: set[int] = set()
 
@@ -748,7 +753,7 @@ def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[Storage
             else:
                 remaining.append(p)
         others = remaining
-    return list(chosen.values()), False
+    return list(chosen.values()), False, nodes if len(chosen) == len(states) else None
 
 
 def _shared_work(nodes: list[Node]) -> set[int]:
