@@ -191,3 +191,28 @@ def test_garbage_from_before_a_defer_block_is_collected_after_it():
         gc.collect()
     gc.collect()
     assert alive() is None
+
+
+def test_torch_compile_inside_defer_does_not_trace_the_recorder():
+    # The recorder's __torch_dispatch__ is marked for Dynamo to skip (instead of torch's
+    # per-call wrapper): a compiled function called under defer must still run the recorder
+    # untraced, give strict's result, and make Dynamo warn about nothing of ours.
+    code = textwrap.dedent("""
+        import warnings, torch, deferfuse
+        @torch.compile(backend="eager")
+        def f(x):
+            return (x * 2).sin() + 1
+        x = torch.linspace(-3, 3, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with deferfuse.defer():
+                y = f(x) * 3
+            y = y.clone()
+        assert torch.equal(y, ((x * 2).sin() + 1) * 3), (y, x)
+        dynamo = [str(w.message)[:200] for w in caught if "Dynamo" in str(w.message)]
+        assert not dynamo, dynamo
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

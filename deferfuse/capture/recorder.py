@@ -63,13 +63,27 @@ def no_dispatch():
         yield
 
 
+_IS_INTERNAL: dict = {}   # code object -> whether it is ours, torch's or jax's
+
+
+def _is_internal(code) -> bool:
+    filename = code.co_filename
+    internal = _IS_INTERNAL[code] = filename.startswith(_INTERNAL_DIRS) or "/jax/" in filename \
+        or filename.startswith("<frozen")
+    return internal
+
+
 def user_source() -> Optional[str]:
     """file:line of the innermost frame outside deferfuse, torch and jax."""
     frame = sys._getframe(2)
+    known = _IS_INTERNAL
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_INTERNAL_DIRS) and "/jax/" not in filename and not filename.startswith("<frozen"):
-            return f"{filename}:{frame.f_lineno}"
+        code = frame.f_code
+        internal = known.get(code)
+        if internal is None:
+            internal = _is_internal(code)
+        if not internal:
+            return f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 
@@ -82,8 +96,14 @@ def _flat_meta(state: StorageState) -> TensorMeta:
 # torch's schemas and tags do not mark them.
 _LAZY_BIT_VIEWS = frozenset({aten._conj.default, aten._neg_view.default})
 
-_UNKNOWN = object()
-_SPECIAL: dict = {}
+# Per op, what dispatch needs on every call: (OpInfo, our special form or None, the op's name
+# for cache keys).  Keyed by id: OpOverloads are immortal singletons whose __hash__ is Python.
+_FACTS: dict[int, tuple] = {}
+
+
+def _facts(func: torch._ops.OpOverload) -> tuple:
+    facts = _FACTS[id(func)] = (op_info(func), _special_form(func), str(func))
+    return facts
 
 
 def _special_form(op: torch._ops.OpOverload):
@@ -105,7 +125,9 @@ class Recorder:
 
     def __init__(self) -> None:
         self.mode: Optional[DeferMode] = None
-        self.pending: "weakref.WeakSet[StorageState]" = weakref.WeakSet()
+        # weak references to storages written since the last flush_all (a list, not a WeakSet:
+        # one append per op is the hot path; duplicates and dead ones are dropped at flush)
+        self.pending: list = []
         self.real_states: set[StorageState] = set()   # user storages touched (kept until exit)
         self.pending_nodes = 0
         self.record_source = config.get("record_source")
@@ -212,7 +234,7 @@ class Recorder:
             state.contents = ("flat", new.outputs[0])
         state.changed()
         state.reads[m] = value
-        self.pending.add(state)
+        self.pending.append(weakref.ref(state))
 
     def _fresh_outputs(self, entry, node: Node) -> list:
         """DeferredTensors for a node's outputs, with None where the op returned None."""
@@ -222,7 +244,7 @@ class Recorder:
     def fresh(self, m: TensorMeta, value: Value) -> DeferredTensor:
         state = StorageState(m.storage_numel, m.dtype, m.device, contents=("root", value, m))
         state.reads[m] = value
-        self.pending.add(state)
+        self.pending.append(weakref.ref(state))
         return DeferredTensor(m, state, self)
 
     # -- argument conversion -------------------------------------------------------------------
@@ -265,7 +287,10 @@ class Recorder:
     # -- dispatch ------------------------------------------------------------------------------
     def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         STATS.ops_recorded += 1
-        info = op_info(func)
+        facts = _FACTS.get(id(func))
+        if facts is None:
+            facts = _facts(func)
+        info, special, _ = facts
         if info.composite_implicit:
             # Reaches us only from inside a decomposition (autograd handles it above us
             # otherwise).  Its own decomposition says what it really is: reshape is a view or
@@ -275,9 +300,6 @@ class Recorder:
             if result is not NotImplemented:
                 STATS.ops_recorded -= 1
                 return result
-        special = _SPECIAL.get(func, _UNKNOWN)
-        if special is _UNKNOWN:
-            special = _SPECIAL[func] = _special_form(func)
         if special is not None:
             # a foreach op or a fused optimizer step: recorded as the ops it is made of
             with self.mode.recording(), torch._C._AutoDispatchBelowAutograd():
@@ -321,8 +343,11 @@ class Recorder:
 
     def _entry(self, func, info, args, kwargs):
         vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(info.scalar_args, info.arg_names, args, kwargs)
-        entry = meta_.infer(func, (func, key), margs, mkw)
-        return vargs, vkw, entry, (func, key), inputs, scalars
+        # (keyed by the op's name: hashing the OpOverload itself runs Python)
+        facts = _FACTS.get(id(func)) or _facts(func)
+        key = (facts[2], key)
+        entry = meta_.infer(func, key, margs, mkw)
+        return vargs, vkw, entry, key, inputs, scalars
 
     def record(self, func, info, args, kwargs) -> Any:
         vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
@@ -624,7 +649,13 @@ class Recorder:
     def pending_states(self) -> list[StorageState]:
         """Live storages with pending contents, in record order (a WeakSet iterates by address,
         which would make equal programs give different signatures)."""
-        states = [s for s in list(self.pending) if s.contents is not None]
+        found: dict[int, StorageState] = {}
+        for ref in self.pending:
+            s = ref()
+            if s is not None and s.contents is not None:
+                found[id(s)] = s
+        states = list(found.values())
+        self.pending = [weakref.ref(s) for s in states]
         states.sort(key=lambda s: (s.contents[1].node.id, s.contents[1].index))
         return states
 
@@ -640,17 +671,19 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
     states = [s for s in states if s.contents is not None]
     if not states:
         return
-    snapshot = False
+    snapshot, nodes = False, None
     if recorder is not None:
-        states, snapshot = _widen(states, recorder)
+        states, snapshot, nodes = _widen(states, recorder)
     STATS.flushes[reason.value] += 1
     with no_dispatch(), torch.profiler.record_function("deferfuse.flush"):
         targets: list[Value] = []
         for s in states:
             if s.contents[0] == "root" and not _is_plain_root(s):
                 _flatten_detached(s)
+                nodes = None   # (a new node to compute)
             targets.append(s.contents[1])
-        nodes = graph.ancestors(targets)
+        if nodes is None:
+            nodes = graph.ancestors(targets)
         all_states = states
         to_compute = [v for v in targets if v.result is None]
         trigger = user_source() if recorder is None or recorder.record_source else None
@@ -686,14 +719,17 @@ _SMALL_FLUSH_NODES = 64
 _SNAPSHOT_BYTES = 1 << 16
 
 
-def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[StorageState], bool]:
-    """(states to compute, whether to snapshot old memory before writing it back)."""
+def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[StorageState], bool, Optional[list[Node]]]:
+    """(states to compute, whether to snapshot old memory before writing it back, and the
+    pending nodes they need when that is known already)."""
     nodes = graph.ancestors([s.contents[1] for s in states])
     small = len(nodes) <= _SMALL_FLUSH_NODES and all(v.meta.numel <= 1 for n in nodes for v in n.outputs)
     if small and all(s.buffer is None or s.numel * s.dtype.itemsize <= _SNAPSHOT_BYTES for s in states):
-        return states, True
+        return states, True, nodes
     chosen = {id(s): s for s in states}
     others = [p for p in recorder.pending_states() if id(p) not in chosen]
+    if not others:
+        return states, False, nodes
     computed = _shared_work(nodes)
     written: set[int] = set()
 
@@ -717,7 +753,7 @@ def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[Storage
             else:
                 remaining.append(p)
         others = remaining
-    return list(chosen.values()), False
+    return list(chosen.values()), False, nodes if len(chosen) == len(states) else None
 
 
 def _shared_work(nodes: list[Node]) -> set[int]:
@@ -996,6 +1032,28 @@ class DeferMode(TorchDispatchMode):
             self._plain_reads.__exit__(exc_type, exc_value, traceback)
         finally:
             super().__exit__(exc_type, exc_value, traceback)
+
+
+def _skip_dynamo_without_wrapper() -> None:
+    """TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo, so that
+    Dynamo (inside a torch.compile'd function) never traces into it; the wrapper toggles frame
+    evaluation twice per op, about a microsecond of the per-op cost.  Marking the code object
+    as skipped, recursively, tells Dynamo the same for free.  Where this torch lacks the hook,
+    the wrapper stays."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.recorder.dispatch(func, args, kwargs or {})
+
+    set_code_exec_strategy(__torch_dispatch__.__code__,
+                           _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    DeferMode.__torch_dispatch__ = __torch_dispatch__   # (__init_subclass__ has run already)
+
+
+_skip_dynamo_without_wrapper()
 
 
 def dispatch_outside_context(func, args, kwargs) -> Any:

@@ -144,6 +144,28 @@ def _template(a: Any, index: dict[int, int], leaves: list[Value], scalars: list[
     return a, a
 
 
+class Signature:
+    """A subgraph's structural signature, hashed once: it keys several caches per flush, and
+    hashing the tuple again would hash every op in it each time (OpOverload's hash is Python)."""
+
+    __slots__ = ("key", "_hash")
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self._hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Signature) and self._hash == other._hash
+                                 and self.key == other.key)
+
+    def __repr__(self) -> str:
+        # (the disk cache keys by this text)
+        return repr(self.key)
+
+
 def build(nodes: list[Node], outputs: list[Value]):
     """Signature, program-building closure, graph inputs and runtime scalars of a subgraph.
 
@@ -171,7 +193,7 @@ def build(nodes: list[Node], outputs: list[Value]):
             index[id(v)] = next_id
             next_id += 1
     out_ids = tuple(index[id(v)] for v in outputs)
-    sig = (tuple((v.meta.shape, v.meta.dtype) for v in leaves), tuple(entries), out_ids, config.compile_key())
+    sig = Signature((tuple((v.meta.shape, v.meta.dtype) for v in leaves), tuple(entries), out_ids, config.compile_key()))
 
     def make_program() -> Program:
         steps = []
