@@ -273,3 +273,17 @@ def test_decomposition_that_rejects_a_call_torchs_kernel_runs():
     z = torch.tensor([complex(float("nan"), float("inf")), 1 - 2j], dtype=torch.complex64)
     check(lambda z: torch.nan_to_num(z * 2), z)
     check(lambda z: torch.nan_to_num(z * 2, nan=1.0, posinf=2.0), z)
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("out", [
+    lambda: torch.empty(0, dtype=torch.int64), lambda: torch.empty(2, dtype=torch.int64),
+    lambda: torch.empty(3, dtype=torch.float32), lambda: torch.empty(6, dtype=torch.int64)[::2],
+], ids=["empty", "resized", "float", "strided"])
+@pytest.mark.parametrize("hermitian", [False, True])
+def test_matrix_rank_out_is_written(out, hermitian):
+    """Under any dispatch mode torch's matrix_rank composite rebinds out= to a new tensor instead
+    of writing into it: the caller's tensor kept its old contents."""
+    a = torch.randn(3, 5, 2, dtype=torch.float64)
+    a = a @ a.mT   # rank 2 of 5, symmetric
+    check(lambda a, o: torch.linalg.matrix_rank(a, hermitian=hermitian, out=o), a, out())

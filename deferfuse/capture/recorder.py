@@ -983,6 +983,23 @@ _PLAIN_READS: dict[Any, FlushReason] = {
 }
 
 
+# torch.linalg.matrix_rank(..., out=): under any dispatch mode its C++ composite takes the
+# tensor-subclass path, which rebinds the out tensor's handle to a new result instead of writing
+# into it, so the caller's tensor kept its old contents.  Computed functionally here, then
+# written into out= as torch's kernel writes it (sum_out: resized with its warning, cast).
+_OUT_DROPPED_UNDER_A_MODE = object()
+for _func in (torch.linalg.matrix_rank,):
+    _PLAIN_READS[_func] = _OUT_DROPPED_UNDER_A_MODE
+
+
+def _write_out_after(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    result = func(*args, **kwargs)
+    _maybe_resize_out(out, result.shape)
+    return out.copy_(result)
+
+
 class PlainReadMode(TorchFunctionMode):
     """Writes pending contents back into a plain tensor before Python code reads its memory."""
 
@@ -992,6 +1009,8 @@ class PlainReadMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         reason = _PLAIN_READS.get(func)
+        if reason is _OUT_DROPPED_UNDER_A_MODE and kwargs and kwargs.get("out") is not None:
+            return _write_out_after(func, args, kwargs)
         if reason is not None and args and isinstance(args[0], torch.Tensor) \
                 and not isinstance(args[0], DeferredTensor) and args[0].layout is torch.strided:
             state = _STATES_BY_PTR.get(args[0].untyped_storage().data_ptr())
