@@ -72,6 +72,9 @@ _declare("peak_gflops", float, 100.0,
 _declare("compute_engine", str, "xla",
          "Where compute-bound ops (matmul, conv) run: 'xla' fuses them with their neighbours, "
          "'torch' runs them on torch's kernels between XLA groups.", affects_compile=True)
+_declare("lone_op_on_torch", bool, True,
+         "Run a flush of a single op (nothing to fuse) on torch's own kernel instead of XLA "
+         "(always_compile overrides).")
 _declare("fusion_fuel", int, -1,
          "Stop fusing after this many node merges per flush (-1: no limit); bisect a bad fusion "
          "by lowering it until the problem goes away.", affects_compile=True)

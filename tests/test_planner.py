@@ -120,3 +120,32 @@ def test_stablehlo_text_parses():
     with mlir.make_ir_context():
         module = ir.Module.parse(text)
     assert module is not None
+
+
+@pytest.mark.parametrize("program", [
+    lambda x, w, b: torch.softmax(x, -1),
+    lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b),
+    lambda x, w, b: x.t().log_softmax(0),     # through a view of the input
+], ids=["softmax", "layer_norm", "view"])
+def test_a_lone_op_runs_on_torch_and_never_compiles(program):
+    """A flush of one op has nothing to fuse: torch's fused CPU kernel runs it, with no compile."""
+    x, w, b = torch.randn(16, 32), torch.randn(32), torch.randn(32)
+    for _ in range(3):
+        with deferfuse.defer():
+            y = program(x, w, b)
+            deferfuse.sync(y)
+        torch.testing.assert_close(y, program(x, w, b), rtol=0, atol=0)
+        record = _last_record()
+        assert [(g.engine, g.reason) for g in record.groups] == [("torch", "one op, nothing to fuse")], \
+            observe.explain()
+    assert deferfuse.stats()["compiles"] == 0 and deferfuse.stats()["executions"] == 0
+
+
+def test_two_ops_or_always_compile_still_go_to_xla():
+    x = torch.randn(16, 32)
+    with deferfuse.defer():
+        deferfuse.sync(torch.softmax(x, -1) * 2)
+    assert deferfuse.stats()["executions"] == 1
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        deferfuse.sync(torch.softmax(x, -1))
+    assert deferfuse.stats()["executions"] == 2

@@ -16,6 +16,7 @@ from typing import Optional
 import networkx as nx
 
 from .. import config
+from ..ir import graph
 from ..ir.graph import Node, Value
 from . import cost
 
@@ -25,6 +26,7 @@ class SplitReason(enum.Enum):
     ENGINE = "runs on another engine"              # a compute-bound op placed on torch
     NOT_CONVEX = "joining would make a cycle"      # producer group depends on another group
     NO_PRODUCER = "reads only graph inputs"
+    LONE_OP = "one op, nothing to fuse"            # runs on torch's own kernel
     FUEL = "fusion fuel exhausted"                 # DEFERFUSE_FUSION_FUEL, to bisect a bad fusion
 
 
@@ -59,6 +61,15 @@ def placement(node: Node, bound: cost.Bound) -> Engine:
     return Engine.XLA
 
 
+def is_lone_op(nodes: list[Node]) -> bool:
+    """A subgraph of one op (and views of its inputs) has nothing to fuse: XLA would at best
+    match torch's own kernel, and for the fused CPU kernels (softmax, layer norm) it makes
+    several passes where torch makes one; torch's kernel also needs no compile."""
+    ops = [n for n in nodes if n.op is not graph.READ_VIEW]
+    return len(ops) == 1 and not isinstance(ops[0].op, graph.InternalOp) \
+        and all(v.node.op is graph.INPUT for n in nodes if n.op is graph.READ_VIEW for v in n.input_values())
+
+
 def split_reason(group: Group, engine: Engine) -> Optional[SplitReason]:
     """None if a node placed on ``engine`` may join ``group``, else why not."""
     if group.engine is not engine or engine is Engine.TORCH:
@@ -68,6 +79,9 @@ def split_reason(group: Group, engine: Engine) -> Optional[SplitReason]:
 
 # -- the generic partitioner --------------------------------------------------------------------
 def partition(nodes: list[Node], outputs: list[Value]) -> Plan:
+    if not config.get("always_compile") and config.get("lone_op_on_torch") and is_lone_op(nodes):
+        group = Group(0, Engine.TORCH, list(nodes), SplitReason.LONE_OP, list(outputs))
+        return Plan([group], {n.id: cost.bound(n) for n in nodes})
     if config.get("always_compile") or (config.get("compute_engine") == "xla" and config.get("fusion_fuel") < 0):
         # Every node is placed on XLA and may fuse with every other: one group, which is convex
         # by construction.  This is the common case, so it skips the walk.
