@@ -146,3 +146,29 @@ def test_engine_autotune_hears_xla_again_after_a_while(monkeypatch):
         run(3 + 5)                          # three timed XLA runs, then XLA stays
         assert deferfuse.stats()["executions"] == executions + 8
         assert deferfuse.stats()["eager_chosen"] == 1
+
+
+ONE_OFF = textwrap.dedent("""
+    import json, math, sys, torch, deferfuse
+    x = torch.linspace(-3.0, 3.0, 1 << 12)
+    with deferfuse.defer():
+        y = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+        total = float(y.sum())
+    strict = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    print(json.dumps({"jax": "jax" in sys.modules, "equal": torch.equal(y, strict),
+                      "total": total, "strict": float(strict.sum()),
+                      "replays": deferfuse.stats()["eager_replays"]}))
+""")
+
+
+def test_one_off_script_never_imports_jax(tmp_path):
+    """A graph seen once replays eagerly, so a one-off script never pays JAX's import (about a
+    second): lowering rules import it at their first use, the disk cache only when a graph
+    comes back."""
+    env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path))
+    env.pop("DEFERFUSE_ALWAYS_COMPILE", None)
+    out = subprocess.run([sys.executable, "-c", ONE_OFF], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["replays"] >= 1 and report["equal"] and report["total"] == report["strict"], report
+    assert not report["jax"], "JAX was imported by a one-off script"

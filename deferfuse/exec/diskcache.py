@@ -17,11 +17,13 @@ import pickle
 import tempfile
 from typing import Any, Optional
 
-import jax
 import torch
 
 from .. import config
 from ..stats import STATS
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
 
 log = logging.getLogger("deferfuse")
 _FORMAT = 1

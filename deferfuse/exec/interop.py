@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import jax
-import jax.dlpack
 import torch
 
 from ..stats import STATS
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:

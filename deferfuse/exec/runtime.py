@@ -15,8 +15,6 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -29,6 +27,10 @@ from ..lower.registry import _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
 from ..lower.views import internal_rule
 from ..stats import STATS
 from . import diskcache, interop
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
+jnp = lazy_import("jax.numpy", globals(), "jnp")
 
 log = logging.getLogger("deferfuse")
 
@@ -302,19 +304,22 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
     if compiled is not None:
         STATS.cache_hits += 1
         return compiled
+    eager_tier = not config.get("always_compile")
+    runs = _SEEN.get(sig, 0)
+    first_runs = config.get("eager_first_runs")
+    if eager_tier and runs < first_runs:
+        # a graph seen once may never come back (a one-off script): no compile yet, and no
+        # disk cache either (loading an executable means importing JAX, about a second)
+        STATS.cache_misses += 1
+        _SEEN[sig] = runs + 1
+        return None
     loaded = diskcache.load(sig)
     if loaded is not None:
         compiled = _Compiled(*loaded)
         _EXECUTABLES[sig] = compiled
         return compiled
     STATS.cache_misses += 1
-    if not config.get("always_compile"):
-        runs = _SEEN.get(sig, 0)
-        first_runs = config.get("eager_first_runs")
-        if runs < first_runs:
-            # a graph seen once may never come back (a one-off script): no compile yet
-            _SEEN[sig] = runs + 1
-            return None
+    if eager_tier:
         if config.get("background_compile") and first_runs > 0:
             # it came back: compile it off the critical path, keep running eagerly meanwhile
             _schedule(sig, make_program, _avals(leaves), n_scalars)

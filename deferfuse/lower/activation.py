@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import torch
-from jax import lax
 
 from .pointwise import _check, _logit_bounds, _sigmoid, _through, _wide
 from .registry import lowering
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 

@@ -22,21 +22,23 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import dtypes as _dtypes
 from .linalg import raise_like_cpu
 from .registry import LoweringContext, lowering, runtime_check
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 
-_F64 = jnp.dtype(jnp.float64)
-_I64 = jnp.dtype(jnp.int64)
-_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_F64 = np.dtype(np.float64)
+_I64 = np.dtype(np.int64)
+_HALF_TYPES = _dtypes.HALF_TYPES
 
 
 def _check_strided(ctx: LoweringContext) -> Optional[str]:
@@ -63,10 +65,9 @@ def _scalar(value, dtype):
 
 
 # c10's names for the types in "value cannot be converted to type ... without overflow"
-_C10_NAMES = {jnp.dtype(jnp.float32): "float", jnp.dtype(jnp.float16): "c10::Half",
-              jnp.dtype(jnp.bfloat16): "c10::BFloat16", jnp.dtype(jnp.int64): "int64_t",
-              jnp.dtype(jnp.int32): "int", jnp.dtype(jnp.int16): "int16_t",
-              jnp.dtype(jnp.int8): "int8_t", jnp.dtype(jnp.uint8): "uint8_t"}
+_C10_NAMES = {"float32": "float", "float16": "c10::Half", "bfloat16": "c10::BFloat16",
+              "int64": "int64_t", "int32": "int", "int16": "int16_t", "int8": "int8_t",
+              "uint8": "uint8_t"}
 
 
 def _checked_scalar(value, dtype):
@@ -74,7 +75,7 @@ def _checked_scalar(value, dtype):
     checked conversion does when the value does not fit ``dtype`` (NaN fits no integer type;
     infinities fit every float type).  Python numbers were checked when the op was recorded."""
     dtype = jnp.dtype(dtype)
-    if isinstance(value, (bool, int, float)) or dtype not in _C10_NAMES:
+    if isinstance(value, (bool, int, float)) or dtype.name not in _C10_NAMES:
         return _scalar(value, dtype)
     wide = jnp.asarray(value).astype(_F64)
     if jnp.issubdtype(dtype, jnp.integer):
@@ -83,7 +84,7 @@ def _checked_scalar(value, dtype):
     else:
         largest = float(jnp.finfo(dtype).max)
         failed = jnp.isfinite(wide) & (jnp.abs(wide) > largest)
-    runtime_check(failed, RuntimeError, f"value cannot be converted to type {_C10_NAMES[dtype]} without overflow")
+    runtime_check(failed, RuntimeError, f"value cannot be converted to type {_C10_NAMES[dtype.name]} without overflow")
     return _scalar(value, dtype)
 
 

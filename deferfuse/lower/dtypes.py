@@ -2,30 +2,40 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+from typing import Any
+
 import numpy as np
 import torch
 
 from ..errors import LoweringError
+from .._lazy import lazy_import
 
-TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
-    torch.bool: jnp.dtype(jnp.bool_),
-    torch.uint8: jnp.dtype(jnp.uint8),
-    torch.int8: jnp.dtype(jnp.int8),
-    torch.int16: jnp.dtype(jnp.int16),
-    torch.int32: jnp.dtype(jnp.int32),
-    torch.int64: jnp.dtype(jnp.int64),
-    torch.uint16: jnp.dtype(jnp.uint16),
-    torch.uint32: jnp.dtype(jnp.uint32),
-    torch.uint64: jnp.dtype(jnp.uint64),
-    torch.float16: jnp.dtype(jnp.float16),
-    torch.bfloat16: jnp.dtype(jnp.bfloat16),
-    torch.float32: jnp.dtype(jnp.float32),
-    torch.float64: jnp.dtype(jnp.float64),
-    torch.complex64: jnp.dtype(jnp.complex64),
-    torch.complex128: jnp.dtype(jnp.complex128),
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+
+# numpy's dtypes are JAX's.  bfloat16 is ml_dtypes' (as in JAX), whose import takes most of a
+# second: it is looked up at first use, so recording and eager replays never import it.
+_NUMPY_NAMES: dict[torch.dtype, str] = {
+    torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
+    torch.int32: "int32", torch.int64: "int64", torch.uint16: "uint16", torch.uint32: "uint32",
+    torch.uint64: "uint64", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.float32: "float32", torch.float64: "float64", torch.complex64: "complex64",
+    torch.complex128: "complex128",
 }
-JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in TORCH_TO_JAX.items()}
+_TO_JAX: dict[torch.dtype, np.dtype] = {}
+_TO_TORCH: dict[str, torch.dtype] = {name: dtype for dtype, name in _NUMPY_NAMES.items()}
+
+
+class DtypeNames:
+    """A set of dtypes given by name: ``dtype in HALF_TYPES`` without importing ml_dtypes."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = frozenset(names)
+
+    def __contains__(self, dtype: Any) -> bool:
+        return np.dtype(dtype).name in self.names
+
+
+HALF_TYPES = DtypeNames("float16", "bfloat16")
 
 
 class UnsupportedDtypeError(LoweringError):
@@ -37,21 +47,30 @@ class UnsupportedDtypeError(LoweringError):
 
 
 def to_jax(dtype: torch.dtype) -> np.dtype:
-    try:
-        return TORCH_TO_JAX[dtype]
-    except KeyError:
-        raise UnsupportedDtypeError(f"dtype {dtype} has no JAX equivalent") from None
+    found = _TO_JAX.get(dtype)
+    if found is not None:
+        return found
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None:
+        raise UnsupportedDtypeError(f"dtype {dtype} has no JAX equivalent")
+    if name == "bfloat16":
+        import ml_dtypes
+        found = np.dtype(ml_dtypes.bfloat16)
+    else:
+        found = np.dtype(name)
+    _TO_JAX[dtype] = found
+    return found
 
 
 def to_torch(dtype) -> torch.dtype:
     try:
-        return JAX_TO_TORCH[jnp.dtype(dtype)]
+        return _TO_TORCH[np.dtype(dtype).name]
     except KeyError:
-        raise UnsupportedDtypeError(f"JAX dtype {jnp.dtype(dtype)} has no torch equivalent") from None
+        raise UnsupportedDtypeError(f"JAX dtype {np.dtype(dtype)} has no torch equivalent") from None
 
 
 def is_supported(dtype: torch.dtype) -> bool:
-    return dtype in TORCH_TO_JAX
+    return dtype in _NUMPY_NAMES
 
 
 def cast(x, dtype):

@@ -27,10 +27,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import jax.numpy as jnp
 import torch
 
 from .registry import LoweringContext, lowering, replay_on_cpu
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
 
 aten = torch.ops.aten
 

@@ -35,17 +35,19 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
 import torch
 
 from . import creation
 from .registry import LoweringContext, lowering, replay_on_cpu, runtime_check, shape_rule
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
 
 aten = torch.ops.aten
 
-_F64 = jnp.dtype(jnp.float64)
-_I64 = jnp.dtype(jnp.int64)
+_F64 = np.dtype(np.float64)
+_I64 = np.dtype(np.int64)
 _LOWERED = (torch.float32, torch.float64)
 _FLOAT_MAX = float(np.finfo(np.float32).max)
 _EXACT_F32_COUNT = 1 << 24

@@ -21,20 +21,22 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 
 from . import dtypes as _dtypes
 from ..ir.meta import TensorMeta
 from .registry import LoweringContext, lowering, replay_on_cpu, shape_rule
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 
-_HIGHEST = lax.Precision.HIGHEST
-_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-_I64 = jnp.dtype(jnp.int64)
+_HIGHEST = "highest"
+_HALF_TYPES = _dtypes.HALF_TYPES
+_I64 = np.dtype(np.int64)
 
 # dtypes torch's CPU matmul kernels accept (bool and complex excluded: complex is not lowered)
 _MATMUL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -747,9 +749,9 @@ def geqrf(ctx, a):
 # Bader, Blanes and Casas's polynomials as torch evaluates them (aten LinearAlgebra.cpp): the
 # norm thresholds of degrees 1, 2, 4, 8, 12 and 18, and the coefficients of degrees 12 and 18.
 _MEXP_THETAS = {
-    jnp.dtype(jnp.float32): (1.192092800768788e-07, 5.978858893805233e-04, 5.116619363445086e-02,
+    np.dtype(np.float32): (1.192092800768788e-07, 5.978858893805233e-04, 5.116619363445086e-02,
                              5.800524627688768e-01, 1.461661507209034e+00, 3.010066362817634e+00),
-    jnp.dtype(jnp.float64): (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-04,
+    np.dtype(np.float64): (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-04,
                              4.991228871115323e-02, 2.996158913811580e-01, 1.090863719290036e+00),
 }
 _MEXP_B12 = ((9.0198e-16, 0.46932117595418237389, -0.20099424927047284052, -0.04623946134063071740),

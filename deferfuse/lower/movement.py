@@ -9,13 +9,15 @@ raised at record time by the meta inference that runs before any rule.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import torch
-from jax import lax
 
 from ..ir.meta import TensorMeta
 from . import views as _views
 from .registry import bounds_check, lowering, replay_on_cpu, runtime_check
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 

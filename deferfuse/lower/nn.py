@@ -20,21 +20,24 @@ import itertools
 import math
 from typing import Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 
+from . import dtypes as _dtypes
 from .linalg import raise_like_cpu
 from .registry import bounds_check, LoweringContext, lowering, runtime_check
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 
-_HIGHEST = lax.Precision.HIGHEST
-_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-_F32 = jnp.dtype(jnp.float32)
-_I64 = jnp.dtype(jnp.int64)
+_HIGHEST = "highest"
+_HALF_TYPES = _dtypes.HALF_TYPES
+_F32 = np.dtype(np.float32)
+_I64 = np.dtype(np.int64)
 _MEAN, _SUM = 1, 2   # at::Reduction (0 is none)
 
 

@@ -15,22 +15,25 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 
+from . import dtypes as _dtypes
 from .linalg import raise_like_cpu
 from .movement import _pad_then_crop
 from .nn import _acc, _adaptive_windows, _check_dtypes, _nearest_source
 from .registry import LoweringContext, lowering, runtime_check
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 
-_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-_F32 = jnp.dtype(jnp.float32)
-_F64 = jnp.dtype(jnp.float64)
+_HALF_TYPES = _dtypes.HALF_TYPES
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
 
 
 def _check_floating(ctx: LoweringContext) -> Optional[str]:

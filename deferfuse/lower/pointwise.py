@@ -19,18 +19,23 @@ from __future__ import annotations
 import math
 import platform
 
-import jax.numpy as jnp
-import jax.scipy.special as jax_special
 import numpy as np
 import torch
-from jax import lax
 
 from . import dtypes as _dtypes
 from .registry import lowering, runtime_check, replay_on_cpu
+from .._lazy import late, lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+jax_special = lazy_import("jax.scipy.special", globals(), "jax_special")
+lax = lazy_import("jax.lax", globals(), "lax")
+_jax_special = late(jax_special)
+_jnp = late(jnp)
+_lax = late(lax)
 
 aten = torch.ops.aten
 
-_REDUCED_FLOATS = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_REDUCED_FLOATS = _dtypes.HALF_TYPES
 
 
 # -- checkers --------------------------------------------------------------------------------------
@@ -327,21 +332,21 @@ def _cosh(x):
 
 
 _FLOAT_UNARY = {
-    aten.exp.default: jnp.exp, aten.exp2.default: _exp2, aten.expm1.default: jnp.expm1,
-    aten.log.default: jnp.log, aten.log2.default: jnp.log2, aten.log10.default: jnp.log10,
-    aten.log1p.default: jnp.log1p, aten.sqrt.default: jnp.sqrt,
+    aten.exp.default: _jnp.exp, aten.exp2.default: _exp2, aten.expm1.default: _jnp.expm1,
+    aten.log.default: _jnp.log, aten.log2.default: _jnp.log2, aten.log10.default: _jnp.log10,
+    aten.log1p.default: _jnp.log1p, aten.sqrt.default: _jnp.sqrt,
     aten.rsqrt.default: lambda x: 1 / jnp.sqrt(x), aten.reciprocal.default: lambda x: 1 / x,
-    aten.sin.default: jnp.sin, aten.cos.default: jnp.cos, aten.tan.default: jnp.tan,
-    aten.asin.default: jnp.arcsin, aten.acos.default: jnp.arccos, aten.atan.default: jnp.arctan,
-    aten.sinh.default: _sinh, aten.cosh.default: _cosh, aten.tanh.default: jnp.tanh,
-    aten.asinh.default: jnp.arcsinh, aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
-    aten.erf.default: lax.erf, aten.erfc.default: lax.erfc, aten.erfinv.default: lax.erf_inv,
-    aten.lgamma.default: lax.lgamma, aten.digamma.default: _digamma,
+    aten.sin.default: _jnp.sin, aten.cos.default: _jnp.cos, aten.tan.default: _jnp.tan,
+    aten.asin.default: _jnp.arcsin, aten.acos.default: _jnp.arccos, aten.atan.default: _jnp.arctan,
+    aten.sinh.default: _sinh, aten.cosh.default: _cosh, aten.tanh.default: _jnp.tanh,
+    aten.asinh.default: _jnp.arcsinh, aten.acosh.default: _jnp.arccosh, aten.atanh.default: _jnp.arctanh,
+    aten.erf.default: _lax.erf, aten.erfc.default: _lax.erfc, aten.erfinv.default: _lax.erf_inv,
+    aten.lgamma.default: _lax.lgamma, aten.digamma.default: _digamma,
     aten.sigmoid.default: _sigmoid,
-    aten.i0.default: lambda x: lax.bessel_i0e(x) * jnp.exp(jnp.abs(x)), aten.special_i0e.default: lax.bessel_i0e,
+    aten.i0.default: lambda x: lax.bessel_i0e(x) * jnp.exp(jnp.abs(x)), aten.special_i0e.default: _lax.bessel_i0e,
     aten.special_i1.default: lambda x: lax.bessel_i1e(x) * jnp.exp(jnp.abs(x)),
-    aten.special_i1e.default: lax.bessel_i1e,
-    aten.special_ndtri.default: jax_special.ndtri, aten.special_log_ndtr.default: jax_special.log_ndtr,
+    aten.special_i1e.default: _lax.bessel_i1e,
+    aten.special_ndtri.default: _jax_special.ndtri, aten.special_log_ndtr.default: _jax_special.log_ndtr,
     # the argument of a real number: pi for negatives, nan stays nan
     aten.angle.default: lambda x: jnp.where(x < 0, jnp.asarray(math.pi, x.dtype), jnp.where(x != x, x, 0)),
 }
@@ -373,13 +378,13 @@ def _integers_unchanged(fn):
 
 
 _SAME_DTYPE_UNARY = {
-    aten.neg.default: jnp.negative, aten.abs.default: jnp.abs,
+    aten.neg.default: _jnp.negative, aten.abs.default: _jnp.abs,
     aten.sign.default: _sign, aten.sgn.default: _sign,
-    aten.floor.default: _integers_unchanged(jnp.floor), aten.ceil.default: _integers_unchanged(jnp.ceil),
-    aten.trunc.default: _integers_unchanged(jnp.trunc),
-    aten.round.default: _integers_unchanged(jnp.round),  # half to even, like nearbyint
+    aten.floor.default: _integers_unchanged(_jnp.floor), aten.ceil.default: _integers_unchanged(_jnp.ceil),
+    aten.trunc.default: _integers_unchanged(_jnp.trunc),
+    aten.round.default: _integers_unchanged(_jnp.round),  # half to even, like nearbyint
     aten.frac.default: lambda x: x - jnp.trunc(x),
-    aten.bitwise_not.default: jnp.invert,
+    aten.bitwise_not.default: _jnp.invert,
 }
 
 
@@ -470,8 +475,8 @@ def _logaddexp(x, y, log1p_exp, scale):
 
 
 _FLOAT_BINARY = {
-    aten.atan2.default: jnp.arctan2, aten.hypot.default: jnp.hypot,
-    aten.copysign.Tensor: jnp.copysign, aten.copysign.Scalar: jnp.copysign,
+    aten.atan2.default: _jnp.arctan2, aten.hypot.default: _jnp.hypot,
+    aten.copysign.Tensor: _jnp.copysign, aten.copysign.Scalar: _jnp.copysign,
     aten.xlogy.Tensor: _xlogy, aten.xlogy.Scalar_Self: _xlogy, aten.xlogy.Scalar_Other: _xlogy,
     aten.logaddexp.default: lambda x, y: _logaddexp(x, y, lambda d: jnp.log1p(jnp.exp(d)), 1),
     aten.logaddexp2.default: lambda x, y: _logaddexp(x, y, lambda d: jnp.log1p(jnp.exp2(d)), 1 / math.log(2)),
@@ -657,14 +662,14 @@ def heaviside(ctx, x, values):
 
 # maximum/minimum propagate NaN (as lax.max/min do); fmax/fmin ignore it.
 _EXACT_BINARY = {
-    aten.maximum.default: jnp.maximum, aten.minimum.default: jnp.minimum,
-    aten.fmax.default: jnp.fmax, aten.fmin.default: jnp.fmin,
-    aten.eq.Tensor: jnp.equal, aten.eq.Scalar: jnp.equal,
-    aten.ne.Tensor: jnp.not_equal, aten.ne.Scalar: jnp.not_equal,
-    aten.lt.Tensor: jnp.less, aten.lt.Scalar: jnp.less,
-    aten.le.Tensor: jnp.less_equal, aten.le.Scalar: jnp.less_equal,
-    aten.gt.Tensor: jnp.greater, aten.gt.Scalar: jnp.greater,
-    aten.ge.Tensor: jnp.greater_equal, aten.ge.Scalar: jnp.greater_equal,
+    aten.maximum.default: _jnp.maximum, aten.minimum.default: _jnp.minimum,
+    aten.fmax.default: _jnp.fmax, aten.fmin.default: _jnp.fmin,
+    aten.eq.Tensor: _jnp.equal, aten.eq.Scalar: _jnp.equal,
+    aten.ne.Tensor: _jnp.not_equal, aten.ne.Scalar: _jnp.not_equal,
+    aten.lt.Tensor: _jnp.less, aten.lt.Scalar: _jnp.less,
+    aten.le.Tensor: _jnp.less_equal, aten.le.Scalar: _jnp.less_equal,
+    aten.gt.Tensor: _jnp.greater, aten.gt.Scalar: _jnp.greater,
+    aten.ge.Tensor: _jnp.greater_equal, aten.ge.Scalar: _jnp.greater_equal,
 }
 
 
@@ -690,8 +695,8 @@ def logical_not(ctx, x):
     return ~_truth(x)
 
 
-_LOGICAL = {aten.logical_and.default: jnp.logical_and, aten.logical_or.default: jnp.logical_or,
-            aten.logical_xor.default: jnp.logical_xor}
+_LOGICAL = {aten.logical_and.default: _jnp.logical_and, aten.logical_or.default: _jnp.logical_or,
+            aten.logical_xor.default: _jnp.logical_xor}
 
 
 def _logical_rule(fn):
@@ -720,8 +725,8 @@ def _shift_right(x, s):
 
 
 _BITWISE = {}
-for _name, _fn in (("bitwise_and", jnp.bitwise_and), ("bitwise_or", jnp.bitwise_or),
-                   ("bitwise_xor", jnp.bitwise_xor), ("bitwise_left_shift", _shift_left),
+for _name, _fn in (("bitwise_and", _jnp.bitwise_and), ("bitwise_or", _jnp.bitwise_or),
+                   ("bitwise_xor", _jnp.bitwise_xor), ("bitwise_left_shift", _shift_left),
                    ("bitwise_right_shift", _shift_right)):
     for _overload in ("Tensor", "Scalar", "Tensor_Scalar", "Scalar_Tensor"):
         if _overload in getattr(aten, _name).overloads():

@@ -13,11 +13,14 @@ The aten checkers decline complex dtypes, so decompositions of complex calls rea
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import torch
 
 from . import pointwise as _pw
 from .registry import LOWERINGS, lowering
+from .._lazy import late, lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+_jnp = late(jnp)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -70,7 +73,7 @@ _TWINS.update({
 # make a NaN imaginary part).
 _COMPLEX = {
     "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
-    "neg": jnp.negative, "abs": jnp.abs,
+    "neg": _jnp.negative, "abs": _jnp.abs,
 }
 
 

@@ -19,17 +19,20 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 
+from . import dtypes as _dtypes
 from .registry import LoweringContext, lowering, replay_on_cpu, runtime_check
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 
-_HALF_TYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_HALF_TYPES = _dtypes.HALF_TYPES
 
 
 # -- helpers -------------------------------------------------------------------------------------

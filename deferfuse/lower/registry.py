@@ -23,12 +23,14 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
-import jax.numpy as jnp
 import torch
 
 from ..errors import DuplicateLoweringError
 from ..ir.meta import TensorMeta
 from . import dtypes as _dtypes
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
 
 Rule = Callable[..., Any]
 Checker = Callable[["LoweringContext"], Optional[str]]

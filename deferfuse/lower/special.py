@@ -25,13 +25,15 @@ methods in the same dtype:
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import jax.scipy.special as jax_special
 import torch
-from jax import lax
 
 from . import pointwise as _pw
 from .registry import lowering
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+jax_special = lazy_import("jax.scipy.special", globals(), "jax_special")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ..ir import graph
 from ..ir.meta import TensorMeta
 from .registry import LoweringContext
+from .._lazy import lazy_import
+
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 
 class _Nesting:

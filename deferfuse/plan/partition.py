@@ -13,12 +13,13 @@ import dataclasses
 import enum
 from typing import Optional
 
-import networkx as nx
-
 from .. import config
 from ..ir import graph
 from ..ir.graph import Node, Value
 from . import cost
+from .._lazy import lazy_import
+
+nx = lazy_import("networkx", globals(), "nx")   # (80 ms to import; one-group plans never need it)
 
 
 class SplitReason(enum.Enum):
