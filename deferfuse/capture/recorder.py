@@ -814,12 +814,36 @@ def _flatten_detached(s: StorageState) -> Value:
 
 
 def _release(nodes: list[Node]) -> None:
-    """Computed nodes drop their inputs, so the graph above them can be freed."""
+    """Computed nodes drop their inputs, so the graph above them can be freed, and their outputs:
+    a Value and its Node refer to each other, and that cycle kept the Value's result (a whole
+    computed tensor) alive after its last user was gone, until Python's cycle collector ran."""
     for node in nodes:
-        if all(v.result is not None for v in node.outputs):
+        outputs = node.outputs
+        if all(v.result is not None for v in outputs) or all(
+                v.result is not None or count <= _ALONE for v, count in zip(outputs, _ref_counts(outputs))):
             node.args = ()
             node.kwargs = {}
             node.inputs = ()
+            node.outputs = ()
+
+
+# A pending output nothing but its node refers to (native_layer_norm's mean and rstd, returned to
+# no one) can never be computed, so it must not keep its node, and the node's computed outputs,
+# alive.  Reference counts tell: _ALONE is the count _ref_counts gives an object that only its
+# tuple holds, measured here through the same code; where the interpreter does not count the way
+# this needs (an extra holder must raise the count), the check is off and such nodes wait for
+# Python's cycle collector, as before.
+def _ref_counts(values: tuple) -> list[int]:
+    return [sys.getrefcount(v) for v in values]
+
+
+def _calibrate_alone() -> int:
+    alone = _ref_counts((object(),))[0]
+    held = object()
+    return alone if _ref_counts((held,))[0] > alone else -1
+
+
+_ALONE = _calibrate_alone()
 
 
 def _non_overlapping_and_dense(t: torch.Tensor) -> bool:

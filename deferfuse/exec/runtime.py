@@ -446,23 +446,25 @@ def _eager_internal(node: Node, args: tuple) -> torch.Tensor:
     raise AssertionError(f"no eager form for {op}")
 
 
+def _replay_arg(a: Any, computed: dict[int, torch.Tensor]) -> Any:
+    # (a module-level function: a recursive closure is a reference cycle, which kept ``computed``,
+    # every intermediate of the replay, alive until Python's cycle collector ran)
+    if isinstance(a, Value):
+        return a.result if a.result is not None else computed[id(a)]
+    if isinstance(a, RuntimeScalar):
+        return a.value
+    if type(a) in (list, tuple):
+        return type(a)(_replay_arg(x, computed) for x in a)
+    return a
+
+
 def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -> list[torch.Tensor]:
     """Replay the subgraph op by op with torch (no compile): for tiny one-off graphs, ops placed
     on torch's kernels, and graphs whose lowering failed."""
     computed: dict[int, torch.Tensor] = {}
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, Value):
-            return a.result if a.result is not None else computed[id(a)]
-        if isinstance(a, RuntimeScalar):
-            return a.value
-        if type(a) in (list, tuple):
-            return type(a)(arg(x) for x in a)
-        return a
-
     for node in nodes:
-        args = arg(node.args)
-        kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+        args = _replay_arg(node.args, computed)
+        kwargs = {k: _replay_arg(v, computed) for k, v in node.kwargs.items()}
         if isinstance(node.op, graph.InternalOp):
             out = _eager_internal(node, args)
         else:

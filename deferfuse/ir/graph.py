@@ -107,6 +107,7 @@ def leaf(tensor: torch.Tensor) -> Value:
     node = Node(INPUT, (), {}, (TensorMeta.of(tensor),), key=None)
     value = node.outputs[0]
     value.result = tensor
+    node.outputs = ()   # no Value <-> Node cycle holding the tensor (see recorder._release)
     return value
 
 
