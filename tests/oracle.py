@@ -73,15 +73,29 @@ def check(fn: Callable[..., Any], *inputs: Any, exact: bool = False, **tol) -> A
     return actual
 
 
-def lowered(fn: Callable[..., Any], *inputs: Any, compared: bool = False, **tol) -> Any:
+def lowered(fn: Callable[..., Any], *inputs: Any, compared: bool = False,
+            decompositions: bool = False, **tol) -> Any:
     """check(), and assert that every op was lowered directly: nothing fell back to eager torch
-    or went through a torch._decomp decomposition.  ``compared``: also assert that strict did not
-    raise (so values, not just exception types, were compared)."""
+    or (unless ``decompositions``) went through a torch._decomp decomposition.  ``compared``:
+    also assert that strict did not raise (so values, not just exception types, were compared)."""
     deferfuse.reset_stats()
     out = check(fn, *inputs, **tol)
     if compared:
         assert out is not None, "strict raised: nothing was compared"
     stats = deferfuse.stats()
     assert not stats["fallbacks"], f"fell back: {stats['fallbacks']}"
-    assert not stats["decompositions"], f"decomposed: {stats['decompositions']}"
+    if not decompositions:
+        assert not stats["decompositions"], f"decomposed: {stats['decompositions']}"
     return out
+
+
+def grads(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The gradients of ``fn``'s (first) output with respect to the inputs that require grad, for
+    a fixed, non-uniform output gradient (computed in the output's dtype)."""
+    def run(*xs):
+        y = fn(*xs)
+        y = y[0] if isinstance(y, tuple) else y
+        wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+        weight = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin() + 0.5
+        return torch.autograd.grad(y, wanted, weight)
+    return run

@@ -12,20 +12,16 @@ import torch
 
 import deferfuse
 from oracle import check, run_both
+from oracle import lowered as _lowered
 
 NAN, INF = float("nan"), float("inf")
 FLOATS = [torch.float32, torch.float64]
 
 
 def lowered(fn, *inputs, exact=True, **tol):
-    """check() (bit for bit unless told otherwise: counts and linspace edges are exact), strict
-    did not raise, and nothing fell back to eager torch."""
-    deferfuse.reset_stats()
-    out = check(fn, *inputs, exact=exact, **tol)
-    assert out is not None, "strict raised: nothing was compared"
-    stats = deferfuse.stats()
-    assert not stats["fallbacks"], stats["fallbacks"]
-    return out
+    """Compared (bit for bit unless told otherwise: counts and linspace edges are exact), with
+    nothing falling back to eager torch."""
+    return _lowered(fn, *inputs, compared=True, decompositions=True, exact=exact, **tol)
 
 
 def same_error(fn, *inputs, message=True):

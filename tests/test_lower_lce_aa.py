@@ -12,33 +12,16 @@ import torch
 import torch.nn.functional as F
 import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the torch_nn ops)
 
-import deferfuse
-from oracle import check, run_both
+from oracle import check, grads, run_both
+from oracle import lowered as _lowered
 
 NAN, INF = float("nan"), float("inf")
 aten = torch.ops.aten
 
 
 def lowered(fn, *inputs, **tol):
-    """check(), asserting strict did not raise and nothing fell back to eager torch."""
-    deferfuse.reset_stats()
-    out = check(fn, *inputs, **tol)
-    assert out is not None, "strict raised: nothing was compared"
-    stats = deferfuse.stats()
-    assert not stats["fallbacks"], stats["fallbacks"]
-    return out
-
-
-def grads(fn):
-    """The gradients of ``fn``'s (first) output with respect to the inputs that require grad, for
-    a fixed, non-uniform output gradient."""
-    def run(*xs):
-        y = fn(*xs)
-        y = y[0] if isinstance(y, tuple) else y
-        wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-        weight = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin() + 0.5
-        return torch.autograd.grad(y, wanted, weight)
-    return run
+    """Compared, with nothing falling back to eager torch."""
+    return _lowered(fn, *inputs, compared=True, decompositions=True, **tol)
 
 
 def leaf(*shape, dtype=torch.float64, scale=1.0):

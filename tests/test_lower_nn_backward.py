@@ -8,34 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import deferfuse
-from oracle import check, run_both
+from oracle import grads, run_both
+from oracle import lowered as _lowered
 
 NAN, INF = float("nan"), float("inf")
 aten = torch.ops.aten
 
 
 def lowered(fn, *inputs, exact=False, **tol):
-    """check(), and assert that nothing fell back to eager torch (forward ops that torch
-    decomposes, such as upsample_bilinear2d, may go through torch._decomp)."""
-    deferfuse.reset_stats()
-    out = check(fn, *inputs, exact=exact, **tol)
-    assert out is not None, "strict raised: nothing was compared"
-    stats = deferfuse.stats()
-    assert not stats["fallbacks"], stats["fallbacks"]
-    return out
-
-
-def grads(fn):
-    """The gradients of ``fn``'s (first) output with respect to the inputs that require grad, for
-    a fixed, non-uniform output gradient (computed in the output's dtype)."""
-    def run(*xs):
-        y = fn(*xs)
-        y = y[0] if isinstance(y, tuple) else y
-        wanted = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-        weight = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin() + 0.5
-        return torch.autograd.grad(y, wanted, weight)
-    return run
+    """Compared, with nothing falling back to eager torch (forward ops that torch decomposes,
+    such as upsample_bilinear2d, may go through torch._decomp)."""
+    return _lowered(fn, *inputs, compared=True, decompositions=True, exact=exact, **tol)
 
 
 def same_exception(fn, *inputs):
