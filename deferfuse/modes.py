@@ -132,6 +132,7 @@ def _stop_defer(handle, reason: FlushReason, *, flush: bool = True) -> None:
         try:
             handle.__exit__(None, None, None)
         finally:
+            recorder.mode = None   # (the mode refers to its recorder: no cycle left behind)
             _GC_FREEZE.exit()
 
 

@@ -138,10 +138,11 @@ class Recorder:
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
-              lowering: Any = None, inputs: Optional[tuple] = None, scalars: tuple = ()) -> Node:
+              lowering: Any = None, inputs: Optional[tuple] = None, scalars: tuple = ()) -> tuple[Value, ...]:
+        """A new pending node; returns its output Values."""
         self.pending_nodes += 1
         source = user_source() if self.record_source else None
-        return Node(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
+        return graph.emit(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
 
     def state_of_real(self, t: torch.Tensor) -> StorageState:
         if t.layout is not torch.strided:
@@ -202,13 +203,13 @@ class Recorder:
             if m.dtype != state.dtype:
                 # a real view of complex memory (view_as_real): the memory as the real dtype
                 real = TensorMeta((2 * state.numel,), (1,), 0, m.dtype, state.device, 2 * state.numel)
-                flat = self._node(graph.AS_REAL, (flat,), {}, (real,), (graph.AS_REAL,)).outputs[0]
-            value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m)).outputs[0]
+                flat = self._node(graph.AS_REAL, (flat,), {}, (real,), (graph.AS_REAL,))[0]
+            value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m))[0]
             state.reads[m] = value
         if isinstance(t, DeferredTensor) and (t.is_conj() or t.is_neg()):
             # a lazy conjugate or negative view of pending memory
             bits = (t.is_conj(), t.is_neg())
-            value = self._node(graph.BITS, (value, *bits), {}, (m,), (graph.BITS, *bits)).outputs[0]
+            value = self._node(graph.BITS, (value, *bits), {}, (m,), (graph.BITS, *bits))[0]
         return value, m
 
     def _resolved(self, t: torch.Tensor) -> torch.Tensor:
@@ -225,20 +226,20 @@ class Recorder:
             self._enter_epoch(state)
         if value.meta.dtype != m.dtype:
             cast_meta = value.meta._replace(dtype=m.dtype)
-            value = self._node(graph.CAST, (value, m.dtype), {}, (cast_meta,), (graph.CAST, m.dtype)).outputs[0]
+            value = self._node(graph.CAST, (value, m.dtype), {}, (cast_meta,), (graph.CAST, m.dtype))[0]
         if m.covers_storage:
             state.contents = ("root", value, m)
         else:
             flat = self.flat(state)
-            new = self._node(graph.WRITE_VIEW, (flat, value, m), {}, (_flat_meta(state),), (graph.WRITE_VIEW, m))
-            state.contents = ("flat", new.outputs[0])
+            (new,) = self._node(graph.WRITE_VIEW, (flat, value, m), {}, (_flat_meta(state),), (graph.WRITE_VIEW, m))
+            state.contents = ("flat", new)
         state.changed()
         state.reads[m] = value
         self.pending.append(weakref.ref(state))
 
-    def _fresh_outputs(self, entry, node: Node) -> list:
+    def _fresh_outputs(self, entry, outputs: tuple[Value, ...]) -> list:
         """DeferredTensors for a node's outputs, with None where the op returned None."""
-        values = iter(node.outputs)
+        values = iter(outputs)
         return [None if m is None else self.fresh(m, next(values)) for m in entry.outs]
 
     def fresh(self, m: TensorMeta, value: Value) -> DeferredTensor:
@@ -353,8 +354,8 @@ class Recorder:
         vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
-        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
-        return _restructure(info, self._fresh_outputs(entry, node))
+        outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
+        return _restructure(info, self._fresh_outputs(entry, outputs))
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
         if entry is None or entry.reason != meta_.NO_JAX_DTYPE:
@@ -534,8 +535,8 @@ class Recorder:
                                   FallbackReason.DATA_DEPENDENT)
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
-        node = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
-        return _restructure(info, self._fresh_outputs(entry, node))
+        outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
+        return _restructure(info, self._fresh_outputs(entry, outputs))
 
     def run_allocation(self, func, info, args, kwargs) -> Any:
         """empty*: allocate real memory now; only the inputs' metadata matters."""
@@ -723,7 +724,7 @@ def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[Storage
     """(states to compute, whether to snapshot old memory before writing it back, and the
     pending nodes they need when that is known already)."""
     nodes = graph.ancestors([s.contents[1] for s in states])
-    small = len(nodes) <= _SMALL_FLUSH_NODES and all(v.meta.numel <= 1 for n in nodes for v in n.outputs)
+    small = len(nodes) <= _SMALL_FLUSH_NODES and all(m.numel <= 1 for n in nodes for m in n.out_metas)
     if small and all(s.buffer is None or s.numel * s.dtype.itemsize <= _SNAPSHOT_BYTES for s in states):
         return states, True, nodes
     chosen = {id(s): s for s in states}
@@ -808,42 +809,20 @@ def _is_plain_root(s: StorageState) -> bool:
 
 def _flatten_detached(s: StorageState) -> Value:
     _, value, m = s.contents
-    flat = Node(graph.FLATTEN, (value, m), {}, (_flat_meta(s),), (graph.FLATTEN, m)).outputs[0]
+    (flat,) = graph.emit(graph.FLATTEN, (value, m), {}, (_flat_meta(s),), (graph.FLATTEN, m))
     s.contents = ("flat", flat)
     return flat
 
 
 def _release(nodes: list[Node]) -> None:
-    """Computed nodes drop their inputs, so the graph above them can be freed, and their outputs:
-    a Value and its Node refer to each other, and that cycle kept the Value's result (a whole
-    computed tensor) alive after its last user was gone, until Python's cycle collector ran."""
+    """Computed nodes drop their arguments, so the graph above them (and the tensors it holds)
+    is freed now rather than when the last computed Value goes.  A node with an output still
+    pending (an intermediate some cached read may ask for again) keeps them."""
     for node in nodes:
-        outputs = node.outputs
-        if all(v.result is not None for v in outputs) or all(
-                v.result is not None or count <= _ALONE for v, count in zip(outputs, _ref_counts(outputs))):
+        if all(v is None or v.result is not None for v in node.outputs):
             node.args = ()
             node.kwargs = {}
             node.inputs = ()
-            node.outputs = ()
-
-
-# A pending output nothing but its node refers to (native_layer_norm's mean and rstd, returned to
-# no one) can never be computed, so it must not keep its node, and the node's computed outputs,
-# alive.  Reference counts tell: _ALONE is the count _ref_counts gives an object that only its
-# tuple holds, measured here through the same code; where the interpreter does not count the way
-# this needs (an extra holder must raise the count), the check is off and such nodes wait for
-# Python's cycle collector, as before.
-def _ref_counts(values: tuple) -> list[int]:
-    return [sys.getrefcount(v) for v in values]
-
-
-def _calibrate_alone() -> int:
-    alone = _ref_counts((object(),))[0]
-    held = object()
-    return alone if _ref_counts((held,))[0] > alone else -1
-
-
-_ALONE = _calibrate_alone()
 
 
 def _non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -187,12 +187,16 @@ def build(nodes: list[Node], outputs: list[Value]):
                 leaves.append(v)
     n_inputs = next_id = len(leaves)
     entries: list[Any] = []
+    first_out: list[int] = []   # per node, the env slot of its first output
     for node in nodes:
         entries.append((node.key, tuple([index[id(v)] for v in node.inputs])))
         if node.scalars:
             scalars.extend(node.scalars)
-        for v in node.outputs:
-            index[id(v)] = next_id
+        first_out.append(next_id)
+        for ref in node.out_refs:
+            v = ref()
+            if v is not None:
+                index[id(v)] = next_id
             next_id += 1
     out_ids = tuple(index[id(v)] for v in outputs)
     sig = Signature((tuple((v.meta.shape, v.meta.dtype) for v in leaves), tuple(entries), out_ids, config.compile_key()))
@@ -200,16 +204,15 @@ def build(nodes: list[Node], outputs: list[Value]):
     def make_program() -> Program:
         steps = []
         scalar_list: list[float] = []
-        for node in nodes:
+        for node, first in zip(nodes, first_out):
             args_t, _ = _template(node.args, index, leaves, scalar_list)
             kwargs_t = {k: _template(v, index, leaves, scalar_list)[0] for k, v in node.kwargs.items()}
             if isinstance(node.op, graph.InternalOp):
                 rule, ctx = internal_rule(node.op), None
             else:
                 rule, ctx = node.lowering.lowering.rule, node.lowering.ctx
-            outs = tuple(index[id(v)] for v in node.outputs)
-            steps.append(Step(rule, ctx, args_t, kwargs_t, outs, tuple(v.meta for v in node.outputs),
-                              node.source, node.op))
+            outs = tuple(range(first, first + len(node.out_metas)))
+            steps.append(Step(rule, ctx, args_t, kwargs_t, outs, node.out_metas, node.source, node.op))
         assert len(leaves) == n_inputs and scalar_list == scalars, "argument templates disagree with the signature"
         return Program(n_inputs, steps, out_ids)
 
@@ -471,7 +474,8 @@ def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -
             out = node.op(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for v, t in zip(node.outputs, outs):
-            computed[id(v)] = t
+            if v is not None:
+                computed[id(v)] = t
     if count:
         STATS.eager_replays += 1
     for v in outputs:
@@ -487,7 +491,7 @@ def should_replay_eagerly(nodes: list[Node]) -> bool:
     limit = config.get("eager_small_flush")
     if limit and len(nodes) <= limit:
         return True
-    return all(v.meta.numel <= 1 for n in nodes for v in n.outputs) and len(nodes) <= 64
+    return all(m.numel <= 1 for n in nodes for m in n.out_metas) and len(nodes) <= 64
 
 
 def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",

@@ -15,6 +15,7 @@ tensor whose storage has not changed since its value was computed reads that val
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -64,8 +65,13 @@ class Value:
 
 
 class Node:
-    __slots__ = ("id", "op", "args", "kwargs", "outputs", "key", "source", "lowering", "inputs",
-                 "scalars", "__weakref__")
+    """One recorded op.  A node refers to its outputs only weakly: Values point at their node
+    and nodes at their input Values, so the graph holds no reference cycle and a Value (with the
+    tensor it computed) is freed by reference counting as soon as its last user lets go, never
+    left for Python's cycle collector.  Create nodes with ``emit``, which returns the Values."""
+
+    __slots__ = ("id", "op", "args", "kwargs", "out_metas", "out_refs", "key", "source", "lowering",
+                 "inputs", "scalars", "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, out_metas: tuple[TensorMeta, ...],
                  key: Any, source: Optional[str] = None, lowering: Any = None,
@@ -81,10 +87,13 @@ class Node:
         self.key = key            # structural: op and static arguments, no value identities
         self.source = source      # "file:line" of the user code that recorded it
         self.lowering = lowering
-        if len(out_metas) == 1:
-            self.outputs = (Value(self, 0, out_metas[0]),)
-        else:
-            self.outputs = tuple(Value(self, i, m) for i, m in enumerate(out_metas))
+        self.out_metas = out_metas
+        self.out_refs: tuple = ()   # weak references to the output Values (set by emit)
+
+    @property
+    def outputs(self) -> tuple[Optional["Value"], ...]:
+        """The output Values, None where nothing refers to one any more."""
+        return tuple(r() for r in self.out_refs)
 
     def _walk_values(self) -> list[Value]:
         found: list[Value] = []
@@ -102,12 +111,24 @@ class Node:
         return f"Node#{self.id}({self.op})"
 
 
+def emit(op: Any, args: tuple, kwargs: dict, out_metas: tuple[TensorMeta, ...], key: Any,
+         source: Optional[str] = None, lowering: Any = None, inputs: Optional[tuple] = None,
+         scalars: tuple = ()) -> tuple[Value, ...]:
+    """A new node; returns its output Values (the node holds them only weakly)."""
+    node = Node(op, args, kwargs, out_metas, key, source, lowering, inputs, scalars)
+    if len(out_metas) == 1:
+        value = Value(node, 0, out_metas[0])
+        node.out_refs = (weakref.ref(value),)
+        return (value,)
+    values = tuple(Value(node, i, m) for i, m in enumerate(out_metas))
+    node.out_refs = tuple(weakref.ref(v) for v in values)
+    return values
+
+
 def leaf(tensor: torch.Tensor) -> Value:
     """A graph input holding ``tensor`` (contiguous, offset 0, so DLPack shares it)."""
-    node = Node(INPUT, (), {}, (TensorMeta.of(tensor),), key=None)
-    value = node.outputs[0]
+    (value,) = emit(INPUT, (), {}, (TensorMeta.of(tensor),), key=None)
     value.result = tensor
-    node.outputs = ()   # no Value <-> Node cycle holding the tensor (see recorder._release)
     return value
 
 

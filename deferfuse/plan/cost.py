@@ -52,7 +52,7 @@ def _baddbmm_flops(node: Node) -> float:
 
 def _conv_flops(node: Node) -> float:
     weight = node.args[1].meta.shape
-    out = node.outputs[0].meta.shape
+    out = node.out_metas[0].shape
     per_output = 2.0 * _numel(weight[1:])
     return per_output * _numel(out)
 
@@ -72,8 +72,8 @@ def bytes_moved(node: Node) -> int:
     total = 0
     for v in node.input_values():
         total += v.meta.numel * v.meta.dtype.itemsize
-    for v in node.outputs:
-        total += v.meta.numel * v.meta.dtype.itemsize
+    for m in node.out_metas:
+        total += m.numel * m.dtype.itemsize
     return total
 
 
