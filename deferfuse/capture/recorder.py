@@ -414,6 +414,13 @@ class Recorder:
         return _restructure(info, views)
 
     def record_mutation(self, func, info, args, kwargs) -> Any:
+        twin = _INPLACE_TWINS.get(id(func), _UNKNOWN)
+        if twin is _UNKNOWN:
+            twin = _inplace_twin(func, info)
+        if twin is not None:
+            result = self._record_inplace(func, twin, args, kwargs)
+            if result is not NotImplemented:
+                return result
         # Validate the call itself (torch's broadcasting and casting errors) on meta tensors.
         functional = functional_variant(func)
         try:
@@ -460,15 +467,7 @@ class Recorder:
             # contents: let torch do it (what was just recorded is never used)
             return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.UNSUPPORTED_ALIASING)
         for target, result in zip(targets, results):
-            if tuple(result.shape) != tuple(target.shape):
-                # what torch's kernels say when an in-place result would need a resize
-                raise RuntimeError(f"output with shape {list(target.shape)} doesn't match the "
-                                   f"broadcast shape {list(result.shape)}")
-            if not torch.can_cast(result.dtype, target.dtype):
-                # torch's rule for every in-place and out= result (TensorIterator's, and the
-                # references' _safe_copy_out); meta kernels of in-place ops do not check it
-                raise RuntimeError(f"result type {_type_name(result.dtype)} can't be cast to the "
-                                   f"desired output type {_type_name(target.dtype)}")
+            _check_inplace_result(target, tuple(result.shape), result.dtype)
         for target, result in zip(targets, results):
             value, _ = self.read(result)
             self.write(target, value)
@@ -478,6 +477,34 @@ class Recorder:
         if is_out:
             return targets[0] if len(targets) == 1 else tuple(targets)
         return args[0]
+
+    def _record_inplace(self, func, twin: tuple, args: tuple, kwargs: dict) -> Any:
+        """The common in-place op (``x.mul_(y)``), recorded as one node of its functional twin
+        written into ``self``: the arguments are converted once for both ops, and no deferred
+        tensor is made for the intermediate result.  NotImplemented where the general path
+        (record_mutation) must decide."""
+        target = args[0] if args else None
+        if not isinstance(target, torch.Tensor) or target.is_conj() or target.is_neg() or (
+                isinstance(target, DeferredTensor) and target._meta.dtype != target._storage.dtype):
+            return NotImplemented
+        functional, f_info, f_name, name, pointwise = twin
+        vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(f_info.scalar_args, f_info.arg_names, args, kwargs)
+        # torch's own checks of the in-place call (broadcasting into self), on meta tensors
+        meta_.infer(func, (name, key), margs, mkw)
+        key = (f_name, key)
+        try:
+            entry = meta_.infer(functional, key, margs, mkw)
+        except meta_.NoMeta:
+            return NotImplemented
+        if entry.lowering is None or len(entry.tensor_outs) != 1:
+            return NotImplemented
+        out = entry.tensor_outs[0]
+        if pointwise:
+            _check_no_partial_overlap([target], args, kwargs)
+        _check_inplace_result(target, out.shape, out.dtype)
+        (value,) = self._node(functional, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
+        self.write(target, value)
+        return target
 
     def _resize_outs(self, targets: list, outs: tuple, layouts: Optional[tuple] = None) -> bool:
         """Resize out= tensors of the wrong shape as torch's kernels do (resize_output: a
@@ -865,13 +892,57 @@ def _check_no_partial_overlap(targets: list, args: tuple, kwargs: dict) -> None:
                     "performing the operation.")
 
 
+def _check_inplace_result(target: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if tuple(shape) != tuple(target.shape):
+        # what torch's kernels say when an in-place result would need a resize
+        raise RuntimeError(f"output with shape {list(target.shape)} doesn't match the "
+                           f"broadcast shape {list(shape)}")
+    if dtype is not target.dtype and not torch.can_cast(dtype, target.dtype):
+        # torch's rule for every in-place and out= result (TensorIterator's, and the
+        # references' _safe_copy_out); meta kernels of in-place ops do not check it
+        raise RuntimeError(f"result type {_type_name(dtype)} can't be cast to the "
+                           f"desired output type {_type_name(target.dtype)}")
+
+
+# In-place ops recorded as one node of their functional twin (Recorder._record_inplace), by
+# id(op): (twin, its OpInfo, its name, the op's name, whether to check for partial overlap), or
+# None where the general path applies.
+_INPLACE_TWINS: dict[int, Optional[tuple]] = {}
+_UNKNOWN = object()
+
+
+def _inplace_twin(op: torch._ops.OpOverload, info) -> Optional[tuple]:
+    """Whether ``op`` writes only ``self`` and its functional twin takes the same arguments the
+    same way, so one conversion serves both: a pure, single-result, lowerable kind of op."""
+    twin = None
+    functional = functional_variant(op)
+    if functional is not None and info.written == ("self",) and op._schema.returns \
+            and torch.Tag.nondeterministic_seeded not in op.tags:
+        f_info = op_info(functional)
+        f_facts = _FACTS.get(id(functional)) or _facts(functional)
+        same_arguments = (f_info.arg_names == info.arg_names and f_info.scalar_args == info.scalar_args
+                          and _same_order(op, functional))
+        if same_arguments and f_info.kind is OpKind.PURE and f_facts[1] is None \
+                and not f_info.composite_implicit and f_info.returns == "one":
+            pointwise = info.pointwise or functional is aten.copy.default
+            twin = (functional, f_info, f_facts[2], str(op), pointwise)
+    _INPLACE_TWINS[id(op)] = twin
+    return twin
+
+
+def _same_order(op, functional) -> bool:
+    names = [a.name for a in op._schema.arguments]
+    f_names = [a.name for a in functional._schema.arguments if not a.kwarg_only]
+    return names[:len(f_names)] == f_names
+
+
 def _rebind(op, functional, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The arguments of ``op`` in the order of its functional variant, which may differ
     (polygamma_(self, n) is polygamma(n, self))."""
+    if _same_order(op, functional):
+        return args, kwargs
     names = [a.name for a in op._schema.arguments]
     f_names = [a.name for a in functional._schema.arguments if not a.kwarg_only]
-    if names[:len(f_names)] == f_names:
-        return args, kwargs
     bound = dict(zip(names, args))
     bound.update(kwargs)
     positional = tuple(bound.pop(n) for n in f_names if n in bound)
