@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..stats import STATS
@@ -9,16 +11,68 @@ from .._lazy import lazy_import
 
 jax = lazy_import("jax", globals(), "jax")
 
+# JAX arrays over the memory of torch tensors, by id(tensor): (weak reference to the tensor,
+# data pointer, shape, strides, array).  A user tensor's storage enters every flush that reads it
+# (an optimizer's parameters, each step), and importing it through DLPack costs ~50 us; the view
+# stays valid while the tensor lives and still points at the same memory, laid out the same way.
+# The array reads whatever the memory holds when a computation runs (it is a view, not a copy),
+# which is what a graph input means here: the flush reads the tensor as it is now.
+_VIEWS: dict[int, tuple] = {}
+
+
+def _forget(key: int):
+    return lambda _ref: _VIEWS.pop(key, None)
+
+
+_DIRECT: list = []   # [import function] once resolved, [None] where the public path is used
+
+
+def _direct_importer():
+    """jax.dlpack.from_dlpack spends ~25 of its ~30 us in Python around one C++ call (device
+    and stream lookups, a no-op asarray).  For a CPU tensor, make that call directly; with a
+    jaxlib whose internals differ, use the public function."""
+    if not _DIRECT:
+        try:
+            from jax._src.lib import _jax, jaxlib_extension_version
+            device = jax.devices("cpu")[0]
+            if jaxlib_extension_version < 467:
+                raise ImportError("older DLPack import signature")
+            cpu = 1   # DLDeviceType.kDLCPU
+
+            def direct(t: torch.Tensor):
+                return _jax.dlpack_managed_tensor_to_buffer(t.__dlpack__(), device, None, None, cpu)
+            probe = torch.arange(4, dtype=torch.float32)
+            if direct(probe).unsafe_buffer_pointer() != probe.data_ptr():
+                raise ImportError("the direct DLPack import copied")
+            _DIRECT.append(direct)
+        except Exception:  # noqa: BLE001 - any difference in JAX's internals: the public path
+            _DIRECT.append(None)
+    return _DIRECT[0]
+
+
+def _from_dlpack(t: torch.Tensor):
+    direct = _direct_importer() if t.device.type == "cpu" else None
+    return jax.dlpack.from_dlpack(t) if direct is None else direct(t)
+
 
 def to_jax(t: torch.Tensor) -> jax.Array:
+    cached = _VIEWS.get(id(t))
+    if cached is not None and cached[0]() is t and cached[1] == t.data_ptr() \
+            and cached[2] == t.shape and cached[3] == t.stride():
+        return cached[4]
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         STATS.dlpack_copies += 1
         t = t.contiguous()
-    arr = jax.dlpack.from_dlpack(t)
+    # (through an alias: DLPack holds on to the tensor it exports, and torch keeps a tensor's
+    # Python object alive while C++ holds it, so exporting ``t`` itself would never let the
+    # cache entry go)
+    arr = _from_dlpack(t.detach())
     if t.numel() and arr.unsafe_buffer_pointer() != t.data_ptr():
         STATS.dlpack_copies += 1
+        return arr
+    _VIEWS[id(t)] = (weakref.ref(t, _forget(id(t))), t.data_ptr(), t.shape, t.stride(), arr)
     return arr
 
 

@@ -1,0 +1,79 @@
+"""In-place ops recorded as one node of their functional twin, and the DLPack views of user
+memory that flushes reuse: both must stay invisible next to strict."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import deferfuse
+from deferfuse.exec import interop
+
+from oracle import check
+
+
+@pytest.mark.parametrize("program", [
+    lambda x, y, i: x.mul_(y),                               # tensor argument
+    lambda x, y, i: x.add_(y[0], alpha=-0.5),                # broadcast, runtime scalar
+    lambda x, y, i: x.addcmul_(y, y, value=0.25).sqrt_(),    # chained on the returned self
+    lambda x, y, i: x[1:].add_(x[:-1]),                      # partial overlap: strict raises
+    lambda x, y, i: x.add_(x),                               # full overlap is fine
+    lambda x, y, i: x.t().mul_(2),                           # a view as the target
+    lambda x, y, i: x[0].mul_(y),                            # broadcast into a smaller self: raises
+    lambda x, y, i: i.mul_(1.5),                             # int64 result would be float: raises
+    lambda x, y, i: i.add_(3).clamp_(min=0, max=5),          # integer ops, scalar arguments
+    lambda x, y, i: x.copy_(y.t()),                          # copy_ from a transposed source
+    lambda x, y, i: x.conj().mul_(2),                        # a lazy-bit view: the general path
+    lambda x, y, i: (x.mul_(2), x.sum())[1],                 # a read after the write
+])
+def test_inplace_forms_match_strict(program):
+    check(program, torch.randn(3, 3), torch.randn(3, 3), torch.tensor([[-4, 2, 9]] * 3))
+
+
+def test_an_inplace_op_counts_as_one_recorded_op():
+    x = torch.randn(4, 4)
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        for _ in range(5):
+            x.mul_(0.5).add_(1.0)
+        assert deferfuse.stats()["ops_recorded"] == 10
+
+
+def test_a_user_tensor_read_by_two_flushes_is_imported_once_and_seen_as_written():
+    """The second flush reuses the first one's DLPack view of ``x`` and still reads what the
+    first flush wrote back into it."""
+    def program(x):
+        first = (x * 2).sum().item()
+        x.add_(1)
+        second = (x * 2).sum().item()
+        return first, second
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    expected = program(x.clone())
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            got = program(x)
+    assert got == pytest.approx(expected, rel=1e-5)   # (summation order differs)
+    assert deferfuse.stats()["dlpack_copies"] == 0
+
+
+def test_a_view_is_dropped_with_its_tensor():
+    """The cache of DLPack views must not keep a tensor's memory alive."""
+    t = torch.randn(256)
+    interop.to_jax(t)
+    key = id(t)
+    assert key in interop._VIEWS
+    del t
+    gc.collect()
+    assert key not in interop._VIEWS
+
+
+def test_a_view_is_not_reused_after_the_memory_moved():
+    t = torch.randn(16)
+    first = interop.to_jax(t)
+    t.set_(torch.randn(16).untyped_storage())
+    second = interop.to_jax(t)
+    assert second is not first
+    assert second.unsafe_buffer_pointer() == t.data_ptr()
