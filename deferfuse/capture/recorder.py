@@ -217,11 +217,12 @@ class Recorder:
         with no_dispatch():
             return real.resolve_conj().resolve_neg()
 
-    def write(self, target: torch.Tensor, value: Value) -> None:
+    def write(self, target: torch.Tensor, value: Value, meta: Optional[TensorMeta] = None) -> None:
+        """Record that ``target`` now holds ``value`` (``meta``: the target's, if known)."""
         if isinstance(target, DeferredTensor):
             state, m = target._storage, target._meta
         else:
-            state, m = self.state_of_real(target), TensorMeta.of(target)
+            state, m = self.state_of_real(target), meta or TensorMeta.of(target)
         if state.epoch != self.epoch:
             self._enter_epoch(state)
         if value.meta.dtype != m.dtype:
@@ -503,7 +504,7 @@ class Recorder:
             _check_no_partial_overlap([target], args, kwargs)
         _check_inplace_result(target, out.shape, out.dtype)
         (value,) = self._node(functional, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
-        self.write(target, value)
+        self.write(target, value, margs[0])
         return target
 
     def _resize_outs(self, targets: list, outs: tuple, layouts: Optional[tuple] = None) -> bool:
@@ -869,9 +870,9 @@ def _partially_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """ATen's ``get_overlap_status(a, b) == Partial``: two distinct tensors over one storage,
     both non-overlapping and dense (anything else is 'too hard' and allowed), whose byte ranges
     intersect without being the same range with the same strides."""
-    if a is b or a.numel() == 0 or b.numel() == 0:
+    if a is b or not _same_memory(a, b) or a.numel() == 0 or b.numel() == 0:
         return False
-    if not (_non_overlapping_and_dense(a) and _non_overlapping_and_dense(b)) or not _same_memory(a, b):
+    if not (_non_overlapping_and_dense(a) and _non_overlapping_and_dense(b)):
         return False
     a_begin, b_begin = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
     a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()

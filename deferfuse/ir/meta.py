@@ -54,4 +54,4 @@ class TensorMeta(NamedTuple):
     @property
     def covers_storage(self) -> bool:
         """Dense, starting at offset 0, and spanning exactly the whole storage."""
-        return self.offset == 0 and self.is_dense and self.numel == self.storage_numel
+        return self.offset == 0 and self.numel == self.storage_numel and self.is_dense
