@@ -159,8 +159,7 @@ class Recorder:
                 self.flush_all(FlushReason.FALLBACK)
                 state.changed()
             numel = storage.nbytes() // t.element_size()
-            with torch.no_grad():
-                buffer = torch.as_strided(t.detach(), (numel,), (1,), 0)
+            buffer = t.detach().as_strided((numel,), (1,), 0)   # (detached: no autograd record)
             state = StorageState(numel, t.dtype, t.device, buffer=buffer)
             if ptr:
                 _STATES_BY_PTR[ptr] = state
@@ -847,7 +846,7 @@ def _release(nodes: list[Node]) -> None:
     is freed now rather than when the last computed Value goes.  A node with an output still
     pending (an intermediate some cached read may ask for again) keeps them."""
     for node in nodes:
-        if all(v is None or v.result is not None for v in node.outputs):
+        if all((v := r()) is None or v.result is not None for r in node.out_refs):
             node.args = ()
             node.kwargs = {}
             node.inputs = ()
