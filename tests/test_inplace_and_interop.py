@@ -77,3 +77,17 @@ def test_a_view_is_not_reused_after_the_memory_moved():
     second = interop.to_jax(t)
     assert second is not first
     assert second.unsafe_buffer_pointer() == t.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                                   torch.complex64, torch.int64, torch.int8, torch.uint8, torch.bool])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 5)])
+def test_dlpack_crossings_share_memory_both_ways(dtype, shape):
+    """torch -> JAX -> torch without a copy, for every dtype a lowering may see."""
+    t = torch.arange(int(torch.Size(shape).numel()), dtype=torch.float64).reshape(shape).to(dtype)
+    a = interop.to_jax(t)
+    back = interop.to_torch(a)
+    assert back.dtype == t.dtype and back.shape == t.shape
+    torch.testing.assert_close(back, t, rtol=0, atol=0)
+    if t.numel():
+        assert a.unsafe_buffer_pointer() == t.data_ptr() == back.data_ptr()

@@ -24,13 +24,14 @@ def _forget(key: int):
     return lambda _ref: _VIEWS.pop(key, None)
 
 
-_DIRECT: list = []   # [import function] once resolved, [None] where the public path is used
+# jax.dlpack.from_dlpack and jax.Array.__dlpack__ spend most of their time (~25 of ~30 us, and
+# ~9 of ~10) in Python around one jaxlib call each: device and stream lookups, sharding checks,
+# a no-op asarray.  For CPU arrays the two calls are made directly; with a jaxlib whose internals
+# differ (checked once, on a probe), the public functions are used.
+_DIRECT: list = []   # [(import, export)] once resolved, [None] where the public path is used
 
 
-def _direct_importer():
-    """jax.dlpack.from_dlpack spends ~25 of its ~30 us in Python around one C++ call (device
-    and stream lookups, a no-op asarray).  For a CPU tensor, make that call directly; with a
-    jaxlib whose internals differ, use the public function."""
+def _direct_crossings():
     if not _DIRECT:
         try:
             from jax._src.lib import _jax, jaxlib_extension_version
@@ -39,20 +40,25 @@ def _direct_importer():
                 raise ImportError("older DLPack import signature")
             cpu = 1   # DLDeviceType.kDLCPU
 
-            def direct(t: torch.Tensor):
+            def import_(t: torch.Tensor):
                 return _jax.dlpack_managed_tensor_to_buffer(t.__dlpack__(), device, None, None, cpu)
+
+            def export(a) -> torch.Tensor:
+                return torch.from_dlpack(_jax.buffer_to_dlpack_managed_tensor(a, stream=None))
             probe = torch.arange(4, dtype=torch.float32)
-            if direct(probe).unsafe_buffer_pointer() != probe.data_ptr():
-                raise ImportError("the direct DLPack import copied")
-            _DIRECT.append(direct)
+            imported = import_(probe)
+            back = export(imported)
+            if imported.unsafe_buffer_pointer() != probe.data_ptr() or back.data_ptr() != probe.data_ptr():
+                raise ImportError("a direct DLPack crossing copied")
+            _DIRECT.append((import_, export))
         except Exception:  # noqa: BLE001 - any difference in JAX's internals: the public path
             _DIRECT.append(None)
     return _DIRECT[0]
 
 
 def _from_dlpack(t: torch.Tensor):
-    direct = _direct_importer() if t.device.type == "cpu" else None
-    return jax.dlpack.from_dlpack(t) if direct is None else direct(t)
+    direct = _direct_crossings() if t.device.type == "cpu" else None
+    return jax.dlpack.from_dlpack(t) if direct is None else direct[0](t)
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:
@@ -77,4 +83,5 @@ def to_jax(t: torch.Tensor) -> jax.Array:
 
 
 def to_torch(a: jax.Array) -> torch.Tensor:
-    return torch.from_dlpack(a)
+    direct = _direct_crossings() if a.platform() == "cpu" else None
+    return torch.from_dlpack(a) if direct is None else direct[1](a)
