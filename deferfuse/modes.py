@@ -83,31 +83,50 @@ def _active_defer() -> Optional[object]:
 
 
 class _GcFreeze:
-    """gc.freeze() while any defer block runs on any thread (see the ``gc_freeze`` setting).
+    """While any defer block runs on any thread: gc.freeze() (the ``gc_freeze`` setting) and a
+    higher threshold for young collections (``gc_young_threshold``).
 
     Only what existed before the outermost block is frozen, and it is unfrozen when that block
     ends, so garbage from before the block is collected late, never leaked.  A process that froze
-    objects itself is left alone.  The lock is reentrant: a collection can run finalizers on this
-    thread while it is held, and a finalizer may close an abandoned defer block (a generator)."""
+    objects itself is left alone, and so is one that turned automatic collection off.  The
+    threshold is restored when the outermost block ends, unless something changed it meanwhile.
+    The lock is reentrant: a collection can run finalizers on this thread while it is held, and a
+    finalizer may close an abandoned defer block (a generator)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.depth = 0
         self.froze = False
+        self.thresholds: Optional[tuple[tuple, tuple]] = None   # (the process's, ours)
 
     def enter(self) -> None:
         with self.lock:
             self.depth += 1
-            if self.depth == 1 and config.get("gc_freeze") and gc.isenabled() and gc.get_freeze_count() == 0:
+            if self.depth != 1 or not gc.isenabled():
+                return
+            if config.get("gc_freeze") and gc.get_freeze_count() == 0:
                 gc.freeze()
                 self.froze = True
+            young = config.get("gc_young_threshold")
+            before = gc.get_threshold()
+            if young > before[0] > 0:
+                ours = (young, *before[1:])
+                gc.set_threshold(*ours)
+                self.thresholds = (before, ours)
 
     def exit(self) -> None:
         with self.lock:
             self.depth -= 1
-            if self.depth == 0 and self.froze:
+            if self.depth != 0:
+                return
+            if self.froze:
                 gc.unfreeze()
                 self.froze = False
+            if self.thresholds is not None:
+                before, ours = self.thresholds
+                if gc.get_threshold() == ours:
+                    gc.set_threshold(*before)
+                self.thresholds = None
 
 
 _GC_FREEZE = _GcFreeze()

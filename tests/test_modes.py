@@ -216,3 +216,29 @@ def test_torch_compile_inside_defer_does_not_trace_the_recorder():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": REPO}, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_young_collections_are_rarer_inside_a_defer_block_and_restored_after():
+    import gc
+    before = gc.get_threshold()
+    with deferfuse.config.override(gc_young_threshold=50_000):
+        with deferfuse.defer():
+            inside = gc.get_threshold()
+            with deferfuse.defer():   # nested: unchanged, restored only by the outermost
+                assert gc.get_threshold() == inside
+        assert gc.get_threshold() == before
+    assert inside == (50_000, *before[1:])
+    with deferfuse.config.override(gc_young_threshold=0):
+        with deferfuse.defer():
+            assert gc.get_threshold() == before
+
+
+def test_a_threshold_changed_inside_the_block_is_left_as_set():
+    import gc
+    before = gc.get_threshold()
+    try:
+        with deferfuse.defer():
+            gc.set_threshold(1234, *before[1:])
+        assert gc.get_threshold() == (1234, *before[1:])
+    finally:
+        gc.set_threshold(*before)
