@@ -4,6 +4,7 @@ memory that flushes reuse: both must stay invisible next to strict."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -91,3 +92,62 @@ def test_dlpack_crossings_share_memory_both_ways(dtype, shape):
     torch.testing.assert_close(back, t, rtol=0, atol=0)
     if t.numel():
         assert a.unsafe_buffer_pointer() == t.data_ptr() == back.data_ptr()
+
+
+def _imports_counted(monkeypatch) -> list:
+    imported: list = []
+    original = interop._from_dlpack
+
+    def counting(t):
+        imported.append(t.data_ptr())
+        return original(t)
+    monkeypatch.setattr(interop, "_from_dlpack", counting)
+    return imported
+
+
+def test_a_user_tensor_read_in_every_defer_block_is_imported_once(monkeypatch):
+    """Each defer context gives a user storage a new state, but the same flat buffer, so the
+    DLPack view made by the first flush serves the next contexts, and still reads the memory
+    as it is then (here changed by strict code between the contexts)."""
+    x = torch.randn(64, 32)
+    imported = _imports_counted(monkeypatch)
+    got, expected = [], []
+    with deferfuse.config.override(always_compile=True):
+        for _ in range(3):
+            expected.append(torch.tanh(x) * 2)
+            with deferfuse.defer():
+                got.append(torch.tanh(x) * 2)
+            x.add_(1)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    assert imported.count(x.data_ptr()) == 1
+
+
+def test_the_flat_buffer_of_a_user_tensor_goes_with_the_tensor():
+    from deferfuse.capture import recorder
+    x = torch.randn(64, 32)
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            (x * 2).sum().item()
+    key = id(x)
+    assert key in recorder._BUFFERS
+    storage = weakref.ref(x.untyped_storage())
+    del x
+    gc.collect()
+    assert key not in recorder._BUFFERS
+    assert storage() is None
+
+
+@pytest.mark.parametrize("move", [
+    lambda x: x.set_(torch.full((64, 32), 3.0).untyped_storage()),
+    lambda x: x.resize_(128, 32).fill_(3.0),
+])
+def test_a_user_tensor_whose_memory_moved_between_blocks_is_read_afresh(move):
+    x = torch.randn(64, 32)
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            (x * 2).sum().item()
+        move(x)
+        with deferfuse.defer():
+            got = x * 2
+    torch.testing.assert_close(got, torch.full(x.shape, 6.0))

@@ -88,6 +88,28 @@ def user_source() -> Optional[str]:
     return None
 
 
+# The flat buffer over a user tensor's storage, by id of the tensor that owns the view (the
+# tensor itself, or its base): (weak reference to it, data pointer, numel, dtype, buffer).  A
+# user storage gets a new StorageState in each defer context, but the same buffer object, so
+# the DLPack view of it made for one flush (interop's cache, keyed by the tensor) serves the
+# next ones: an optimizer's parameters are read by every step.  The buffer is a detached view,
+# which does not keep the owner alive; the entry goes when the owner does.
+_BUFFERS: dict[int, tuple] = {}
+
+
+def _flat_buffer(t: torch.Tensor, ptr: int, numel: int) -> torch.Tensor:
+    owner = t._base if t._base is not None else t
+    key = id(owner)
+    hit = _BUFFERS.get(key)
+    if hit is not None and hit[0]() is owner and hit[1] == ptr and hit[2] == numel and hit[3] is t.dtype \
+            and hit[4].device == t.device:
+        return hit[4]
+    buffer = t.detach().as_strided((numel,), (1,), 0)   # (detached: no autograd record)
+    if ptr:
+        _BUFFERS[key] = (weakref.ref(owner, lambda _ref: _BUFFERS.pop(key, None)), ptr, numel, t.dtype, buffer)
+    return buffer
+
+
 def _flat_meta(state: StorageState) -> TensorMeta:
     return TensorMeta((state.numel,), (1,), 0, state.dtype, state.device, state.numel)
 
@@ -159,8 +181,7 @@ class Recorder:
                 self.flush_all(FlushReason.FALLBACK)
                 state.changed()
             numel = storage.nbytes() // t.element_size()
-            buffer = t.detach().as_strided((numel,), (1,), 0)   # (detached: no autograd record)
-            state = StorageState(numel, t.dtype, t.device, buffer=buffer)
+            state = StorageState(numel, t.dtype, t.device, buffer=_flat_buffer(t, ptr, numel))
             if ptr:
                 _STATES_BY_PTR[ptr] = state
         self.real_states.add(state)
