@@ -83,6 +83,16 @@ def _meta_of_output(out: Any, device: torch.device) -> Optional[TensorMeta]:
     return None
 
 
+def cached(key: Any) -> Optional[MetaEntry]:
+    """The cached metadata for ``key``, counted as a hit; None if it is not cached or meta
+    tensors could not give it (``infer`` says which)."""
+    entry = _CACHE.get(key)
+    if entry is None or entry is _NO_META:
+        return None
+    STATS.meta_cache_hits += 1
+    return entry
+
+
 def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> MetaEntry:
     """Metadata of ``op(*args, **kwargs)``, where tensors are given as TensorMeta.
 

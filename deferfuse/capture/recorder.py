@@ -23,7 +23,7 @@ import itertools
 import os
 import sys
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch._prims_common.wrappers import _maybe_resize_out
@@ -126,6 +126,43 @@ _FACTS: dict[int, tuple] = {}
 def _facts(func: torch._ops.OpOverload) -> tuple:
     facts = _FACTS[id(func)] = (op_info(func), _special_form(func), str(func))
     return facts
+
+
+class _FastForm(NamedTuple):
+    """What Recorder.record_fast needs of an op: its name for cache keys, per positional
+    argument whether a float there is a runtime scalar, the names of its scalar arguments, and
+    for an in-place op its functional twin (op, name, whether pointwise)."""
+    name: str
+    scalar_at: tuple
+    scalar_names: frozenset
+    functional: Any = None
+    functional_name: str = ""
+    pointwise: bool = False
+
+
+# Per op, its fast path's form, or None where it has none: a pure op with one tensor result
+# that neither decomposes itself nor has a special form of ours, or an in-place op whose
+# functional twin is such an op and takes the same arguments (``_inplace_twin``).
+_FAST: dict[int, Optional[_FastForm]] = {}
+_UNSEEN = object()
+
+
+def _fast_form(func: torch._ops.OpOverload) -> Optional[_FastForm]:
+    info, special, name = _FACTS.get(id(func)) or _facts(func)
+    form = None
+    if not info.composite_implicit and special is None:
+        scalar_at = tuple(n in info.scalar_args for n in info.arg_names)
+        if info.kind is OpKind.PURE and info.returns == "one":
+            form = _FastForm(name, scalar_at, info.scalar_args)
+        elif info.kind is OpKind.MUTATING:
+            twin = _INPLACE_TWINS.get(id(func), _UNKNOWN)
+            if twin is _UNKNOWN:
+                twin = _inplace_twin(func, info)
+            if twin is not None:
+                functional, _, functional_name, name, pointwise = twin
+                form = _FastForm(name, scalar_at, info.scalar_args, functional, functional_name, pointwise)
+    _FAST[id(func)] = form
+    return form
 
 
 def _special_form(op: torch._ops.OpOverload):
@@ -265,6 +302,7 @@ class Recorder:
 
     def fresh(self, m: TensorMeta, value: Value) -> DeferredTensor:
         state = StorageState(m.storage_numel, m.dtype, m.device, contents=("root", value, m))
+        state.epoch = self.epoch
         state.reads[m] = value
         self.pending.append(weakref.ref(state))
         return DeferredTensor(m, state, self)
@@ -307,6 +345,93 @@ class Recorder:
         return a, a, a
 
     # -- dispatch ------------------------------------------------------------------------------
+    def _convert_fast(self, form: "_FastForm", args: tuple, kwargs: dict) -> Optional[tuple]:
+        """``convert`` without the meta arguments (needed only when metadata is not cached):
+        (node args, node kwargs, key, input values, runtime scalars), or None where an
+        argument has no storage to model."""
+        scalar_at = form.scalar_at
+        n_named = len(scalar_at)
+        vargs: list = []
+        kparts: list = []
+        found: list = []
+        scalars: list = []
+        epoch = self.epoch
+        try:
+            for i, a in enumerate(args):
+                if type(a) is DeferredTensor:
+                    m = a._meta
+                    state = a._storage
+                    v = state.reads.get(m) if state.epoch == epoch else None
+                    if v is None or a.is_conj() or a.is_neg():
+                        v, m = self.read(a)
+                    vargs.append(v)
+                    kparts.append(m)
+                    found.append(v)
+                elif type(a) is float and i < n_named and scalar_at[i]:
+                    vargs.append(RuntimeScalar(a))
+                    kparts.append(float)
+                    scalars.append(a)
+                else:
+                    v, _, k = self._convert_one(a, i < n_named and scalar_at[i], found, scalars)
+                    vargs.append(v)
+                    kparts.append(k)
+            vkw: dict = {}
+            kkw: list = []
+            for name, a in kwargs.items():
+                v, _, k = self._convert_one(a, name in form.scalar_names, found, scalars)
+                vkw[name] = v
+                kkw.append((name, k))
+        except _NoStorage:
+            return None
+        return tuple(vargs), vkw, (tuple(kparts), tuple(kkw)), tuple(found), tuple(scalars)
+
+    def record_fast(self, func: torch._ops.OpOverload, form: "_FastForm", args: tuple, kwargs: dict) -> Any:
+        """The commonest calls, in few frames: a pure op with one result, or an in-place op
+        recorded as its functional twin, whose metadata is cached.  The same nodes, keys and
+        results as the general path (``record``, ``_record_inplace``), which this must stay
+        equal to.  NotImplemented where the general path must run; nothing has been recorded
+        then but cached reads of the arguments, which it reuses."""
+        converted = self._convert_fast(form, args, kwargs)
+        if converted is None:
+            return NotImplemented
+        vargs, vkw, key, found, scalars = converted
+        if form.functional is None:
+            key = (form.name, key)
+            entry = meta_.cached(key)
+            if entry is None or entry.lowering is None or entry.outs[0] is None:
+                return NotImplemented
+            STATS.ops_recorded += 1
+            (value,) = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
+            result = self.fresh(entry.outs[0], value)
+        else:
+            target = args[0] if args else None
+            if type(target) is DeferredTensor:
+                if target._meta.dtype != target._storage.dtype:
+                    return NotImplemented
+            elif not isinstance(target, torch.Tensor):
+                return NotImplemented
+            if target.is_conj() or target.is_neg():
+                return NotImplemented
+            # (a cached entry for the in-place call itself: torch's checks of it passed)
+            if meta_.cached((form.name, key)) is None:
+                return NotImplemented
+            target_meta = key[0][0]
+            key = (form.functional_name, key)
+            entry = meta_.cached(key)
+            if entry is None or entry.lowering is None or len(entry.tensor_outs) != 1:
+                return NotImplemented
+            out = entry.tensor_outs[0]
+            if form.pointwise:
+                _check_no_partial_overlap([target], args, kwargs)
+            _check_inplace_result(target, out.shape, out.dtype)
+            STATS.ops_recorded += 1
+            (value,) = self._node(form.functional, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
+            self.write(target, value, target_meta)
+            result = target
+        if self.pending_nodes > self.max_pending:
+            self.flush_all(FlushReason.NODE_LIMIT)
+        return result
+
     def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         STATS.ops_recorded += 1
         facts = _FACTS.get(id(func))
@@ -1115,6 +1240,20 @@ class PlainReadMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _defer_dispatch(self, func, types, args=(), kwargs=None):
+    """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
+    recorder = self.recorder
+    kwargs = kwargs or {}
+    form = _FAST.get(id(func), _UNSEEN)
+    if form is _UNSEEN:
+        form = _fast_form(func)
+    if form is not None:
+        result = recorder.record_fast(func, form, args, kwargs)
+        if result is not NotImplemented:
+            return result
+    return recorder.dispatch(func, args, kwargs)
+
+
 class DeferMode(TorchDispatchMode):
     """Intercepts aten ops and hands them to a Recorder."""
 
@@ -1125,7 +1264,7 @@ class DeferMode(TorchDispatchMode):
         self._plain_reads = PlainReadMode(self.recorder)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.recorder.dispatch(func, args, kwargs or {})
+        return _defer_dispatch(self, func, types, args, kwargs)
 
     @contextlib.contextmanager
     def recording(self):
@@ -1159,12 +1298,9 @@ def _skip_dynamo_without_wrapper() -> None:
     except ImportError:
         return
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.recorder.dispatch(func, args, kwargs or {})
-
-    set_code_exec_strategy(__torch_dispatch__.__code__,
+    set_code_exec_strategy(_defer_dispatch.__code__,
                            _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-    DeferMode.__torch_dispatch__ = __torch_dispatch__   # (__init_subclass__ has run already)
+    DeferMode.__torch_dispatch__ = _defer_dispatch   # (__init_subclass__ has run already)
 
 
 _skip_dynamo_without_wrapper()

@@ -1,0 +1,87 @@
+"""The recorder's fast path (``Recorder.record_fast``) must record exactly what the general
+path records: the same nodes, keys, runtime scalars and results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import deferfuse
+from deferfuse.capture import recorder
+from deferfuse.ir import graph
+
+from oracle import check
+
+PROGRAMS = [
+    lambda x, y, i: (x + 0.5) * 0.5,                     # runtime scalars
+    lambda x, y, i: torch.where(x > 0, x, y),            # a bool tensor, three tensor arguments
+    lambda x, y, i: x.pow(2) + x.pow(2.0),               # int and float exponents key apart
+    lambda x, y, i: x.mul(-0.0).add(float("nan")),       # -0.0 and nan as arguments
+    lambda x, y, i: x * np.float64(1.5),                 # a float subclass
+    lambda x, y, i: (i + True) * (i - 1),                # bool and int scalars
+    lambda x, y, i: x[0] * y.t(),                        # views of user tensors, broadcast
+    lambda x, y, i: torch.sum(x, 1, True) / x.numel(),   # non-float positional arguments
+    lambda x, y, i: x.conj() * y,                        # (real: conj is a no-op view)
+    lambda x, y, i: torch.clamp(x, -1.0, 1.0) + x.exp().neg(),
+    lambda x, y, i: torch.add(x, y, alpha=0.25).sub(y, alpha=2),   # keyword scalars
+    lambda x, y, i: x.clone().mul_(2).add_(y, alpha=0.5),          # in-place on a deferred tensor
+    lambda x, y, i: x.mul_(0.5).addcmul_(y, y, value=-1.5),        # in-place on a user tensor
+    lambda x, y, i: i.add_(3).clamp_(min=0, max=5),                # integer in-place, keywords
+    lambda x, y, i: x[1:].mul_(y[0]),                              # in-place into a view
+]
+
+
+def _recorded(program, *inputs) -> list:
+    """(op, key, runtime scalars) of each pending node the program leaves behind."""
+    with deferfuse.defer():
+        out = program(*inputs)
+        if isinstance(out, deferfuse.DeferredTensor):
+            state = out._storage
+        else:   # a user tensor written in place
+            with recorder.no_dispatch():
+                state = recorder._STATES_BY_PTR[out.untyped_storage().data_ptr()]
+        value = state.contents[1]
+        nodes = graph.ancestors([value])
+        found = [(str(n.op), repr(n.key), repr(n.scalars)) for n in nodes]
+    return found
+
+
+def _without_fast_path(monkeypatch):
+    monkeypatch.setattr(recorder, "_fast_form", lambda func: None)
+    monkeypatch.setattr(recorder, "_FAST", {})
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(3, 3, generator=g), torch.randn(3, 3, generator=g), torch.tensor([[-4, 2, 9]] * 3)
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_the_fast_path_records_what_the_general_path_does(program, monkeypatch):
+    fast = _recorded(program, *_inputs())
+    _without_fast_path(monkeypatch)
+    general = _recorded(program, *_inputs())
+    assert fast == general
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_the_fast_path_matches_strict(program):
+    check(program, *_inputs())
+
+
+def test_the_fast_path_takes_the_commonest_calls(monkeypatch):
+    taken = []
+    original = recorder.Recorder.record_fast
+
+    def counting(self, func, form, args, kwargs):
+        result = original(self, func, form, args, kwargs)
+        taken.append(result is not NotImplemented)
+        return result
+    monkeypatch.setattr(recorder.Recorder, "record_fast", counting)
+    x = torch.randn(8)
+    with deferfuse.defer():
+        y = x * 2.0          # first sight of this call: its metadata is not cached yet
+        for _ in range(3):
+            y = x * 2.0
+    assert taken == [False, True, True, True]
