@@ -1,5 +1,7 @@
 """The fusion planner: how many computations a program makes, what leaves them, and the dumps."""
 
+import sys
+
 import pydot
 import pytest
 import torch
@@ -149,3 +151,12 @@ def test_two_ops_or_always_compile_still_go_to_xla():
     with deferfuse.config.override(always_compile=True), deferfuse.defer():
         deferfuse.sync(torch.softmax(x, -1))
     assert deferfuse.stats()["executions"] == 2
+
+
+def test_explain_names_the_with_line_for_a_flush_at_block_exit():
+    x = torch.ones(3)
+    with deferfuse.defer():
+        y = x * 2
+    line = sys._getframe().f_lineno - 2
+    text = deferfuse.explain(last=1)
+    assert f"(context_exit at {__file__}:{line})" in text, text

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import sys
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -33,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .. import config
 from ..errors import FallbackReason, FlushReason
 from ..exec import runtime
+from ..debugging.source import user_source
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..ir.meta import TensorMeta
@@ -52,40 +51,12 @@ _STATES_BY_PTR: "weakref.WeakValueDictionary[int, StorageState]" = weakref.WeakV
 
 _epochs = itertools.count()
 
-_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["deferfuse"]))
-
-
 @contextlib.contextmanager
 def no_dispatch():
     """Run torch ops on real tensors with no dispatch or function mode intercepting them (our own
     machinery must not be recorded, nor trigger the plain-read write-backs)."""
     with torch._C.DisableTorchFunction(), _disable_current_modes():
         yield
-
-
-_IS_INTERNAL: dict = {}   # code object -> whether it is ours, torch's or jax's
-
-
-def _is_internal(code) -> bool:
-    filename = code.co_filename
-    internal = _IS_INTERNAL[code] = filename.startswith(_INTERNAL_DIRS) or "/jax/" in filename \
-        or filename.startswith("<frozen")
-    return internal
-
-
-def user_source() -> Optional[str]:
-    """file:line of the innermost frame outside deferfuse, torch and jax."""
-    frame = sys._getframe(2)
-    known = _IS_INTERNAL
-    while frame is not None:
-        code = frame.f_code
-        internal = known.get(code)
-        if internal is None:
-            internal = _is_internal(code)
-        if not internal:
-            return f"{code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
 
 
 # The flat buffer over a user tensor's storage, by id of the tensor that owns the view (the
