@@ -172,3 +172,16 @@ def test_one_off_script_never_imports_jax(tmp_path):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["replays"] >= 1 and report["equal"] and report["total"] == report["strict"], report
     assert not report["jax"], "JAX was imported by a one-off script"
+
+
+def test_stablehlo_of_an_executable_loaded_from_disk(tmp_path):
+    """A second process loads the executable instead of compiling it, and can still show its
+    StableHLO (lowered again on demand)."""
+    program = PROGRAM.replace('print(json.dumps(', 'print(json.dumps({"hlo": deferfuse.stablehlo()}))\nprint(json.dumps(')
+    env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path))
+    for run in range(2):
+        out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
+        assert "stablehlo.tanh" in lines[0]["hlo"]
+    assert lines[1]["disk_hits"] == 1 and lines[1]["compiles"] == 0

@@ -9,11 +9,12 @@ floats given to ``Scalar`` parameters) are passed in, so they never change the k
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import queue
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -110,7 +111,7 @@ def _at(source: Optional[str]) -> str:
 
 
 class _Compiled:
-    __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature")
+    __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower")
 
     def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]],
                  lowered: Any = None) -> None:
@@ -121,6 +122,9 @@ class _Compiled:
         # the key it is stored under: later lookups with it match by identity, where an equal
         # new Signature compares its whole key (about 1 ms for a 500-op AdamW step)
         self.signature: Any = None
+        # for an executable loaded from the disk cache: lowers its program again, on demand
+        # (stablehlo()), so the StableHLO text is there without keeping the graph alive
+        self.relower: Optional[Callable[[], Any]] = None
 
 
 _EXECUTABLES: dict[Any, _Compiled] = {}
@@ -222,12 +226,18 @@ def build(nodes: list[Node], outputs: list[Value]):
     return sig, make_program, leaves, scalars
 
 
-def _compile(program: Program, leaf_avals: tuple, n_scalars: int) -> _Compiled:
+def _lower(program: Program, leaf_avals: tuple, n_scalars: int) -> Any:
     avals = [jax.ShapeDtypeStruct(shape, dtypes_.to_jax(dtype)) for shape, dtype in leaf_avals]
     scalar_aval = jax.ShapeDtypeStruct((n_scalars,), jnp.float64)
-    with _x64(), _profile("deferfuse.compile"):
-        lowered = jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
-        executable = lowered.compile()
+    with _x64():
+        return jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
+
+
+def _compile(program: Program, leaf_avals: tuple, n_scalars: int) -> _Compiled:
+    with _profile("deferfuse.compile"):
+        lowered = _lower(program, leaf_avals, n_scalars)
+        with _x64():
+            executable = lowered.compile()
     STATS.compiles += 1
     return _Compiled(executable, n_scalars, list(program.checks), lowered)
 
@@ -238,8 +248,10 @@ def _profile(name: str):
 
 def stablehlo_text(signature: Any) -> str:
     compiled = _EXECUTABLES.get(signature)
-    if compiled is None or compiled.lowered is None:
+    if compiled is None:
         raise ValueError("that computation is no longer in the executable cache")
+    if compiled.lowered is None and compiled.relower is not None:
+        compiled.lowered = compiled.relower()
     return compiled.lowered.as_text()
 
 
@@ -324,6 +336,7 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
     if loaded is not None:
         compiled = _Compiled(*loaded)
         compiled.signature = sig
+        compiled.relower = functools.partial(_lower, make_program(), _avals(leaves), n_scalars)
         _EXECUTABLES[sig] = compiled
         return compiled
     STATS.cache_misses += 1
