@@ -19,13 +19,14 @@ a data-dependent output shape) and ops with a sparse argument, which has no stor
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import threading
 import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch._prims_common.wrappers import _maybe_resize_out
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .. import config
@@ -44,6 +45,8 @@ from .tensor import DeferredTensor
 from .unroll import DECOMPOSITIONS, unroll_foreach
 
 aten = torch.ops.aten
+# (torch's own method: our code's reads of storages skip the plain-read guard's wrapper)
+_untyped_storage = torch._C.TensorBase.untyped_storage
 
 # Storages with real memory, by data pointer, so every tensor over the same memory (a user
 # tensor, its views, a materialized deferred tensor) shares one StorageState.
@@ -177,7 +180,7 @@ class Recorder:
     def state_of_real(self, t: torch.Tensor) -> StorageState:
         if t.layout is not torch.strided:
             raise _NoStorage(t.layout)
-        storage = t.untyped_storage()
+        storage = _untyped_storage(t)
         ptr = storage.data_ptr()
         state = _STATES_BY_PTR.get(ptr) if ptr else None
         if state is None or state.dtype != t.dtype or state.numel * t.element_size() != storage.nbytes():
@@ -637,7 +640,7 @@ class Recorder:
         for t, _ in wrong:
             if isinstance(t, DeferredTensor) or t.layout is not torch.strided:
                 return False
-            ptr = t.untyped_storage().data_ptr()
+            ptr = _untyped_storage(t).data_ptr()
             state = _STATES_BY_PTR.get(ptr) if ptr else None
             if state is not None and state.contents is not None:
                 return False
@@ -721,9 +724,9 @@ class Recorder:
                 f"{func} re-points a deferred tensor at other memory, which deferfuse does not support; "
                 f"call deferfuse.sync() first or run this code under deferfuse.strict()")
         before = meta_.to_meta_tensor(target._meta)
-        storage = before.untyped_storage()
+        storage = _untyped_storage(before)
         func(before, *args[1:], **kwargs)
-        after_storage = before.untyped_storage()
+        after_storage = _untyped_storage(before)
         reach = before.storage_offset() + sum((n - 1) * st for n, st in zip(before.shape, before.stride())) + 1
         if after_storage._cdata != storage._cdata or after_storage.nbytes() != storage.nbytes() \
                 or (before.numel() and reach > target._meta.storage_numel):
@@ -784,7 +787,7 @@ class Recorder:
             if isinstance(t, DeferredTensor):
                 states.append(t._storage)
             elif t.layout is torch.strided:
-                state = _STATES_BY_PTR.get(t.untyped_storage().data_ptr())
+                state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
                 if state is not None:
                     states.append(state)
         materialize_states([s for s in states if s.contents is not None], reason, self)
@@ -838,7 +841,7 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
             flat = result.reshape(-1)
             if s.buffer is None:
                 s.buffer = flat
-                ptr = flat.untyped_storage().data_ptr()
+                ptr = _untyped_storage(flat).data_ptr()
                 if ptr:
                     _STATES_BY_PTR[ptr] = s
             else:
@@ -979,7 +982,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return isinstance(a, DeferredTensor) and isinstance(b, DeferredTensor) and a._storage is b._storage
     if a.layout is not torch.strided or b.layout is not torch.strided:
         return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    return _untyped_storage(a).data_ptr() == _untyped_storage(b).data_ptr() != 0
 
 
 def _partially_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1160,27 +1163,47 @@ def _restructure(info, outs: list) -> Any:
 
 # Tensor methods that read a plain tensor's memory without going through aten dispatch.  A user
 # tensor written inside the context has its new contents pending; these must see them.
-_PLAIN_READS: dict[Any, FlushReason] = {
-    torch.Tensor.tolist: FlushReason.TOLIST,
-    torch.Tensor.numpy: FlushReason.NUMPY,
-    torch.Tensor.__array__: FlushReason.NUMPY,
-    torch.Tensor.__repr__: FlushReason.REPR,
-    torch.Tensor.__format__: FlushReason.REPR,
-    torch.Tensor.data_ptr: FlushReason.DATA_PTR,
-    torch.Tensor.untyped_storage: FlushReason.DATA_PTR,
-    torch.Tensor.__dlpack__: FlushReason.DATA_PTR,
-    torch.Tensor.__reduce_ex__: FlushReason.SERIALIZE,
-    torch.Tensor.__deepcopy__: FlushReason.SERIALIZE,
+_PLAIN_READS: dict[str, FlushReason] = {
+    "tolist": FlushReason.TOLIST,
+    "numpy": FlushReason.NUMPY,
+    "__array__": FlushReason.NUMPY,
+    "__repr__": FlushReason.REPR,
+    "__format__": FlushReason.REPR,
+    "data_ptr": FlushReason.DATA_PTR,
+    "untyped_storage": FlushReason.DATA_PTR,
+    "__dlpack__": FlushReason.DATA_PTR,
+    "__reduce_ex__": FlushReason.SERIALIZE,
+    "__deepcopy__": FlushReason.SERIALIZE,
 }
 
+def _recorder_on_stack() -> Optional[Recorder]:
+    """The recorder of a DeferMode on this thread's dispatch stack: none inside our own
+    __torch_dispatch__ or no_dispatch(), which take the modes off the stack."""
+    for i in range(torch._C._len_torch_dispatch_stack() - 1, -1, -1):
+        mode = torch._C._get_dispatch_stack_at(i)
+        if type(mode) is DeferMode:
+            return mode.recorder
+    return None
 
-# torch.linalg.matrix_rank(..., out=): under any dispatch mode its C++ composite takes the
-# tensor-subclass path, which rebinds the out tensor's handle to a new result instead of writing
-# into it, so the caller's tensor kept its old contents.  Computed functionally here, then
-# written into out= as torch's kernel writes it (sum_out: resized with its warning, cast).
-_OUT_DROPPED_UNDER_A_MODE = object()
-for _func in (torch.linalg.matrix_rank,):
-    _PLAIN_READS[_func] = _OUT_DROPPED_UNDER_A_MODE
+
+def _write_back_before_read(t: Any, reason: FlushReason) -> None:
+    if not isinstance(t, torch.Tensor) or isinstance(t, DeferredTensor) or t.layout is not torch.strided:
+        return
+    recorder = _recorder_on_stack()
+    if recorder is None:
+        return
+    state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
+    if state is not None and state.contents is not None:
+        with no_dispatch():
+            materialize_states([state], reason, recorder)
+
+
+def _reading(original, reason: FlushReason):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        _write_back_before_read(self, reason)
+        return original(self, *args, **kwargs)
+    return method
 
 
 def _write_out_after(func, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -1191,24 +1214,62 @@ def _write_out_after(func, args: tuple, kwargs: dict) -> torch.Tensor:
     return out.copy_(result)
 
 
-class PlainReadMode(TorchFunctionMode):
-    """Writes pending contents back into a plain tensor before Python code reads its memory."""
+def _out_written_after(original):
+    # torch.linalg.matrix_rank(..., out=): under any dispatch mode its C++ composite takes the
+    # tensor-subclass path, which rebinds the out tensor's handle to a new result instead of
+    # writing into it, so the caller's tensor kept its old contents.  Computed functionally
+    # here, then written into out= as torch's kernel writes it (sum_out: resized with its
+    # warning, cast).
+    @functools.wraps(original)
+    def function(*args, **kwargs):
+        if kwargs.get("out") is not None and _recorder_on_stack() is not None:
+            return _write_out_after(original, args, kwargs)
+        return original(*args, **kwargs)
+    return function
 
-    def __init__(self, recorder: Recorder) -> None:
-        super().__init__()
-        self.recorder = recorder
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        reason = _PLAIN_READS.get(func)
-        if reason is _OUT_DROPPED_UNDER_A_MODE and kwargs and kwargs.get("out") is not None:
-            return _write_out_after(func, args, kwargs)
-        if reason is not None and args and isinstance(args[0], torch.Tensor) \
-                and not isinstance(args[0], DeferredTensor) and args[0].layout is torch.strided:
-            state = _STATES_BY_PTR.get(args[0].untyped_storage().data_ptr())
-            if state is not None and state.contents is not None:
-                with no_dispatch():
-                    materialize_states([state], reason, self.recorder)
-        return func(*args, **(kwargs or {}))
+class _PlainReadGuard:
+    """While any defer block runs in the process, the methods in _PLAIN_READS (and
+    torch.linalg.matrix_rank) are wrapped so that a plain tensor's pending contents are written
+    back before Python code reads its memory, when the calling thread is inside a defer block.
+
+    A TorchFunctionMode did this before; torch then routes every torch call of the block through
+    Python, 2-4 us per op, to catch these few methods.  Here a block pays ~4 us once, when the
+    first block starts and the last one ends; other threads, and our own code (inside
+    __torch_dispatch__ or no_dispatch(), where no DeferMode is on the dispatch stack), call
+    through to torch's methods after one check of the stack."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved: list[tuple[Any, str, Any]] = []   # (owner, name, its own attribute or None)
+
+    def enter(self) -> None:
+        with self.lock:
+            self.depth += 1
+            if self.depth > 1:
+                return
+            patches = [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
+                       for name, reason in _PLAIN_READS.items()]
+            patches.append((torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)))
+            for owner, name, patched in patches:
+                self.saved.append((owner, name, owner.__dict__.get(name)))
+                setattr(owner, name, patched)
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth > 0:
+                return
+            for owner, name, own in reversed(self.saved):
+                if own is None:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, own)
+            self.saved.clear()
+
+
+_PLAIN_READ_GUARD = _PlainReadGuard()
 
 
 def _defer_dispatch(self, func, types, args=(), kwargs=None):
@@ -1232,7 +1293,6 @@ class DeferMode(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder or Recorder()
         self.recorder.mode = self
-        self._plain_reads = PlainReadMode(self.recorder)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return _defer_dispatch(self, func, types, args, kwargs)
@@ -1248,12 +1308,12 @@ class DeferMode(TorchDispatchMode):
 
     def __enter__(self):
         result = super().__enter__()
-        self._plain_reads.__enter__()
+        _PLAIN_READ_GUARD.enter()
         return result
 
     def __exit__(self, exc_type, exc_value, traceback):
         try:
-            self._plain_reads.__exit__(exc_type, exc_value, traceback)
+            _PLAIN_READ_GUARD.exit()
         finally:
             super().__exit__(exc_type, exc_value, traceback)
 

@@ -17,7 +17,7 @@ class TensorMeta(NamedTuple):
 
     @staticmethod
     def of(t: torch.Tensor, device: torch.device | None = None) -> "TensorMeta":
-        storage_numel = t.untyped_storage().nbytes() // t.element_size() if t.element_size() else 0
+        storage_numel = torch._C.TensorBase.untyped_storage(t).nbytes() // t.element_size() if t.element_size() else 0
         return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype,
                           t.device if device is None else device, storage_numel)
 
