@@ -178,3 +178,112 @@ def test_deferred_tensors_work_after_context():
     assert isinstance(y, DeferredTensor)
     assert torch.equal(y, torch.full((3,), 3.0))
     assert torch.equal(z, torch.full((3,), 3.0))
+
+
+def _storage_values(t):
+    return torch.frombuffer(bytearray(t.untyped_storage()), dtype=t.dtype).tolist()
+
+
+def _dlpack_values(t):
+    return np.from_dlpack(t).tolist()
+
+
+def _saved(t):
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    return torch.load(buffer).tolist()
+
+
+PLAIN_READERS = [
+    ("tolist", lambda t: t.tolist()),
+    ("numpy", lambda t: t.numpy().tolist()),
+    ("asarray", lambda t: np.asarray(t).tolist()),
+    ("repr", repr),
+    ("str", str),
+    ("format", lambda t: f"{t}"),
+    ("untyped_storage", _storage_values),
+    ("dlpack", _dlpack_values),
+    ("pickle", lambda t: pickle.loads(pickle.dumps(t)).tolist()),
+    ("deepcopy", lambda t: copy.deepcopy(t).tolist()),
+    ("save", _saved),
+    ("parameter_repr", lambda t: repr(torch.nn.Parameter(t, requires_grad=False))),
+]
+
+
+@pytest.mark.parametrize("name,read", PLAIN_READERS, ids=[r[0] for r in PLAIN_READERS])
+def test_python_reads_of_a_plain_tensor_see_its_pending_contents(name, read):
+    """A user tensor written in place inside the block, then read by Python code that reads
+    its memory directly (no aten op): the pending contents are written back first."""
+    def program(x):
+        x.mul_(2).add_(1)
+        return read(x)
+    expected = program(torch.arange(6.0))
+    x = torch.arange(6.0)
+    with deferfuse.defer():
+        got = program(x)
+    assert got == expected
+
+
+@pytest.mark.parametrize("name,read", PLAIN_READERS, ids=[r[0] for r in PLAIN_READERS])
+def test_python_reads_of_a_deferred_tensor_see_its_contents(name, read):
+    def program():
+        return read(torch.arange(6.0).mul(2).add(1))
+    expected = program()
+    with deferfuse.defer():
+        got = program()
+    assert got == expected
+
+
+def test_matrix_rank_out_is_written_inside_a_block():
+    a = torch.diag(torch.tensor([1.0, 2.0, 0.0]))
+    out = torch.zeros((), dtype=torch.int64)
+    with deferfuse.defer():
+        torch.linalg.matrix_rank(a * 1, out=out)
+    assert out.item() == 2
+
+
+GUARDED = ["tolist", "numpy", "__array__", "__repr__", "__format__", "data_ptr", "untyped_storage",
+           "__dlpack__", "__reduce_ex__", "__deepcopy__"]
+
+
+def _methods():
+    return {name: torch.Tensor.__dict__.get(name) for name in GUARDED}, torch.linalg.matrix_rank
+
+
+def test_guarded_methods_are_torchs_own_again_after_blocks():
+    before = _methods()
+    with deferfuse.defer():
+        inside = _methods()
+        with deferfuse.defer():
+            pass
+        with deferfuse.strict():
+            assert _methods() == before
+        assert _methods() == inside
+    assert all(inside[0][name] is not before[0][name] for name in GUARDED) and inside[1] is not before[1]
+    assert _methods() == before
+    with pytest.raises(ZeroDivisionError):
+        with deferfuse.defer():
+            1 / 0
+    assert _methods() == before
+
+
+def test_a_thread_outside_defer_reads_through_the_guard_untouched():
+    """While the main thread's block is open, another thread's reads call torch's methods
+    directly: they neither flush the main thread's graph nor fail."""
+    import threading
+    x = torch.arange(4.0)
+    seen = {}
+    with deferfuse.defer():
+        x.mul_(3)
+        before = dict(flushes())
+
+        def other():
+            y = torch.arange(4.0)
+            seen["values"] = (y.tolist(), y.numpy().tolist(), repr(y))
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        assert dict(flushes()) == before
+    assert seen["values"][0] == [0.0, 1.0, 2.0, 3.0] == seen["values"][1]
+    assert x.tolist() == [0.0, 3.0, 6.0, 9.0]

@@ -1243,16 +1243,18 @@ class _PlainReadGuard:
         self.lock = threading.Lock()
         self.depth = 0
         self.saved: list[tuple[Any, str, Any]] = []   # (owner, name, its own attribute or None)
+        self.patches: list[tuple[Any, str, Any]] = []   # (owner, name, wrapper), made once
 
     def enter(self) -> None:
         with self.lock:
             self.depth += 1
             if self.depth > 1:
                 return
-            patches = [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
-                       for name, reason in _PLAIN_READS.items()]
-            patches.append((torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)))
-            for owner, name, patched in patches:
+            if not self.patches:
+                self.patches = [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
+                                for name, reason in _PLAIN_READS.items()]
+                self.patches.append((torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)))
+            for owner, name, patched in self.patches:
                 self.saved.append((owner, name, owner.__dict__.get(name)))
                 setattr(owner, name, patched)
 

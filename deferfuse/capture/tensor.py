@@ -84,12 +84,20 @@ class DeferredTensor(torch.Tensor):
     def untyped_storage(self):
         return self._observe(FlushReason.DATA_PTR, lambda d: d.untyped_storage())
 
+    def __dlpack__(self, *args, **kwargs):
+        # (torch's would export the wrapper, which has no memory: readers saw garbage)
+        return self._observe(FlushReason.DATA_PTR, lambda d: d.__dlpack__(*args, **kwargs))
+
     def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:
         text = self._observe(FlushReason.REPR, repr)
         if self.grad_fn is not None:
             text = text[:-1] + f", grad_fn=<{type(self.grad_fn).__name__}>)"
         elif self.requires_grad:
             text = text[:-1] + ", requires_grad=True)"
+        if getattr(self, "_is_param", False):
+            # nn.Parameter(deferred) is the deferred tensor marked as a parameter (torch's way
+            # with tensor subclasses): it prints as a Parameter does
+            text = "Parameter containing:\n" + text
         return text
 
     def _plain_copy(self) -> torch.Tensor:
