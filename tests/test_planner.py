@@ -160,3 +160,16 @@ def test_explain_names_the_with_line_for_a_flush_at_block_exit():
     line = sys._getframe().f_lineno - 2
     text = deferfuse.explain(last=1)
     assert f"(context_exit at {__file__}:{line})" in text, text
+
+
+def test_profiler_ranges_around_flush_compile_and_execute():
+    x = torch.randn(64)
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=True):
+        with torch.profiler.profile() as prof:
+            with deferfuse.defer():
+                y = (x * 3.5 + 1.25).tanh()
+    names = {e.name for e in prof.events()}
+    assert {"deferfuse.flush", "deferfuse.execute"} <= names
+    # a new signature is compiled inside the flush
+    assert "deferfuse.compile" in names or deferfuse.stats()["disk_cache_hits"]

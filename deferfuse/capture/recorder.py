@@ -823,7 +823,7 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
     if recorder is not None:
         states, snapshot, nodes = _widen(states, recorder)
     STATS.flushes[reason.value] += 1
-    with no_dispatch(), torch.profiler.record_function("deferfuse.flush"):
+    with no_dispatch(), runtime.profile_range("deferfuse.flush"):
         targets: list[Value] = []
         for s in states:
             if s.contents[0] == "root" and not _is_plain_root(s):
