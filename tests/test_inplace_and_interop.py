@@ -151,3 +151,44 @@ def test_a_user_tensor_whose_memory_moved_between_blocks_is_read_afresh(move):
         with deferfuse.defer():
             got = x * 2
     torch.testing.assert_close(got, torch.full(x.shape, 6.0))
+
+
+@pytest.mark.parametrize("swap", [
+    lambda p: torch.arange(6.0).reshape(2, 3) * 10,   # other memory, same shape
+    lambda p: p.data.t(),                              # the same memory, transposed
+    lambda p: p.data[:1],                              # the same memory, another shape
+])
+def test_data_assignment_inside_a_block_is_seen_by_later_reads(swap):
+    """``p.data = q`` changes a tensor without an aten op; what a context remembers of the
+    tensor (its storage and layout) must not outlive it."""
+    def program(p):
+        first = (p * 2).sum()
+        p.data = swap(p)
+        return first, p * 3, p.add_(1)
+    check(program, torch.arange(6.0).reshape(2, 3))
+
+
+def test_a_storage_resized_through_an_alias_is_seen_by_later_reads():
+    def program(p):
+        alias = p.view(-1)
+        first = p * 2
+        alias.resize_(2)
+        return first, p.sum(), alias * 1
+    check(program, torch.arange(4.0).reshape(2, 2))
+
+
+def test_old_style_sgd_through_data_matches_strict():
+    """``p.data = p.data - lr * p.grad``: the value is a deferred tensor, computed when
+    assigned (assigning .data bypasses aten, and a deferred tensor has no memory yet)."""
+    def program(p, g):
+        for _ in range(3):
+            p.data = p.data - 0.1 * g
+        return p * 1
+    check(program, torch.randn(4, 3), torch.randn(4, 3))
+
+
+def test_assigning_data_of_a_deferred_tensor_says_what_to_do():
+    with deferfuse.defer():
+        q = torch.ones(3) * 2
+        with pytest.raises(NotImplementedError, match="deferfuse.sync"):
+            q.data = torch.zeros(3)

@@ -70,6 +70,8 @@ def no_dispatch():
 # which does not keep the owner alive; the entry goes when the owner does.
 _BUFFERS: dict[int, tuple] = {}
 
+_PLAIN_CACHE_SIZE = 4096   # plain tensors a context remembers (Recorder._real) before starting over
+
 
 def _flat_buffer(t: torch.Tensor, ptr: int, numel: int) -> torch.Tensor:
     owner = t._base if t._base is not None else t
@@ -168,6 +170,7 @@ class Recorder:
         self.active = True
         self.epoch = next(_epochs)
         self.sizing: set = set()      # data-dependent ops whose size rule is running
+        self.plain: dict[int, tuple] = {}   # id(plain tensor) -> (weak ref, state, meta, data pointer)
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
@@ -176,6 +179,28 @@ class Recorder:
         self.pending_nodes += 1
         source = user_source() if self.record_source else None
         return graph.emit(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
+
+    def _real(self, t: torch.Tensor) -> tuple[StorageState, TensorMeta]:
+        """The state and metadata of a plain tensor, remembered for this context by the tensor
+        (weakly): an optimizer step reads and writes each parameter several times.  Checked on
+        every use against the tensor's memory and layout, which code we do not see can change
+        (``p.data = q``); changes we do see clear the memory of them (``_forget_plain``)."""
+        cached = self.plain.get(id(t))
+        if cached is not None and cached[0]() is t:
+            m = cached[2]
+            if _untyped_storage(t).data_ptr() == cached[3] and t.shape == m.shape \
+                    and t.stride() == m.stride and t.storage_offset() == m.offset:
+                return cached[1], m
+        state, m = self.state_of_real(t), TensorMeta.of(t)
+        if len(self.plain) >= _PLAIN_CACHE_SIZE:
+            self.plain.clear()
+        self.plain[id(t)] = (weakref.ref(t), state, m, _untyped_storage(t).data_ptr())
+        return state, m
+
+    def _forget_plain(self) -> None:
+        """Plain tensors' metadata or storages may have changed (an in-place view op, a resize,
+        an op run eagerly): look them up again."""
+        self.plain.clear()
 
     def state_of_real(self, t: torch.Tensor) -> StorageState:
         if t.layout is not torch.strided:
@@ -191,6 +216,7 @@ class Recorder:
                 # cached reads are dropped; the new state reads the memory as it then is.
                 self.flush_all(FlushReason.FALLBACK)
                 state.changed()
+                self._forget_plain()
             numel = storage.nbytes() // t.element_size()
             state = StorageState(numel, t.dtype, t.device, buffer=_flat_buffer(t, ptr, numel))
             if ptr:
@@ -225,7 +251,9 @@ class Recorder:
             if t.is_conj() or t.is_neg():
                 # a lazy conjugate/negative view: its values are not its memory's
                 t = self._resolved(t)
-            state, m = self.state_of_real(t), TensorMeta.of(t)
+                state, m = self.state_of_real(t), TensorMeta.of(t)
+            else:
+                state, m = self._real(t)
         if state.epoch != self.epoch:
             self._enter_epoch(state)
         value = state.reads.get(m)
@@ -253,7 +281,8 @@ class Recorder:
         if isinstance(target, DeferredTensor):
             state, m = target._storage, target._meta
         else:
-            state, m = self.state_of_real(target), meta or TensorMeta.of(target)
+            state, known = self._real(target)
+            m = meta or known
         if state.epoch != self.epoch:
             self._enter_epoch(state)
         if value.meta.dtype != m.dtype:
@@ -644,6 +673,7 @@ class Recorder:
             state = _STATES_BY_PTR.get(ptr) if ptr else None
             if state is not None and state.contents is not None:
                 return False
+        self._forget_plain()
         with no_dispatch():
             for t, o in wrong:
                 _maybe_resize_out(t, o.shape)
@@ -704,6 +734,7 @@ class Recorder:
         plain tensor's would; its values are read from the storage through the new metadata.
         """
         target = args[0]
+        self._forget_plain()
         if not isinstance(target, DeferredTensor):
             if any(isinstance(t, DeferredTensor) for t in _tensors_in(args[1:], kwargs)):
                 return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.INPLACE_VIEW)
@@ -769,6 +800,8 @@ class Recorder:
             self.flush_all(flush_reason or FlushReason.FALLBACK)
         real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK)
         out = func(*real_args, **real_kwargs)
+        if written:
+            self._forget_plain()   # (an out= tensor may have been resized)
         for t in written:
             if isinstance(t, DeferredTensor):
                 t._storage.changed()
@@ -1228,6 +1261,31 @@ def _out_written_after(original):
     return function
 
 
+_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def _data_property():
+    """``Tensor.data`` whose setter knows deferred tensors: ``p.data = q`` re-points ``p`` at
+    ``q``'s memory without an aten op, and a deferred tensor has no memory until computed."""
+    def get(self):
+        return _TENSOR_DATA.__get__(self)
+
+    def set_(self, value):
+        recorder = _recorder_on_stack()
+        if recorder is not None:
+            if isinstance(self, DeferredTensor):
+                raise NotImplementedError(
+                    "deferfuse: assigning .data of a deferred tensor re-points it at other memory, which "
+                    "deferfuse does not support; call deferfuse.sync() first or run this code under "
+                    "deferfuse.strict()")
+            if isinstance(value, DeferredTensor):
+                # the value's memory, computed now (p.data = p.data - lr * p.grad)
+                (value,) = recorder.realize((value,), FlushReason.DATA_PTR)
+            recorder._forget_plain()
+        _TENSOR_DATA.__set__(self, value)
+    return property(get, set_, doc=_TENSOR_DATA.__doc__)
+
+
 class _PlainReadGuard:
     """While any defer block runs in the process, the methods in _PLAIN_READS (and
     torch.linalg.matrix_rank) are wrapped so that a plain tensor's pending contents are written
@@ -1254,6 +1312,7 @@ class _PlainReadGuard:
                 self.patches = [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
                                 for name, reason in _PLAIN_READS.items()]
                 self.patches.append((torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)))
+                self.patches.append((torch.Tensor, "data", _data_property()))
             for owner, name, patched in self.patches:
                 self.saved.append((owner, name, owner.__dict__.get(name)))
                 setattr(owner, name, patched)
