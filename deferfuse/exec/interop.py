@@ -19,6 +19,9 @@ jax = lazy_import("jax", globals(), "jax")
 # which is what a graph input means here: the flush reads the tensor as it is now.
 _VIEWS: dict[int, tuple] = {}
 
+# (torch's own method: the plain-read guard wraps Tensor.data_ptr while defer blocks run)
+_data_ptr = torch._C.TensorBase.data_ptr
+
 
 def _forget(key: int):
     return lambda _ref: _VIEWS.pop(key, None)
@@ -63,7 +66,7 @@ def _from_dlpack(t: torch.Tensor):
 
 def to_jax(t: torch.Tensor) -> jax.Array:
     cached = _VIEWS.get(id(t))
-    if cached is not None and cached[0]() is t and cached[1] == t.data_ptr() \
+    if cached is not None and cached[0]() is t and cached[1] == _data_ptr(t) \
             and cached[2] == t.shape and cached[3] == t.stride():
         return cached[4]
     if t.is_conj() or t.is_neg():
@@ -75,10 +78,10 @@ def to_jax(t: torch.Tensor) -> jax.Array:
     # Python object alive while C++ holds it, so exporting ``t`` itself would never let the
     # cache entry go)
     arr = _from_dlpack(t.detach())
-    if t.numel() and arr.unsafe_buffer_pointer() != t.data_ptr():
+    if t.numel() and arr.unsafe_buffer_pointer() != _data_ptr(t):
         STATS.dlpack_copies += 1
         return arr
-    _VIEWS[id(t)] = (weakref.ref(t, _forget(id(t))), t.data_ptr(), t.shape, t.stride(), arr)
+    _VIEWS[id(t)] = (weakref.ref(t, _forget(id(t))), _data_ptr(t), t.shape, t.stride(), arr)
     return arr
 
 
