@@ -843,18 +843,20 @@ class Recorder:
     def flush_all(self, reason: FlushReason) -> None:
         states = self.pending_states()
         if states:
-            materialize_states(states, reason, self)
+            materialize_states(states, reason, self, everything=True)
         self.pending_nodes = 0
 
 
-def materialize_states(states: list[StorageState], reason: FlushReason, recorder: Optional[Recorder]) -> None:
-    """Compute the contents of ``states`` and write them into their buffers."""
+def materialize_states(states: list[StorageState], reason: FlushReason, recorder: Optional[Recorder],
+                       everything: bool = False) -> None:
+    """Compute the contents of ``states`` and write them into their buffers (``everything``:
+    they are all that is pending, so there is nothing to widen the flush to)."""
     states = [s for s in states if s.contents is not None]
     if not states:
         return
     snapshot, nodes = False, None
     if recorder is not None:
-        states, snapshot, nodes = _widen(states, recorder)
+        states, snapshot, nodes = _widen(states, recorder, everything)
     STATS.flushes[reason.value] += 1
     with no_dispatch(), runtime.profile_range("deferfuse.flush"):
         targets: list[Value] = []
@@ -900,10 +902,13 @@ _SMALL_FLUSH_NODES = 64
 _SNAPSHOT_BYTES = 1 << 16
 
 
-def _widen(states: list[StorageState], recorder: Recorder) -> tuple[list[StorageState], bool, Optional[list[Node]]]:
+def _widen(states: list[StorageState], recorder: Recorder,
+           everything: bool = False) -> tuple[list[StorageState], bool, Optional[list[Node]]]:
     """(states to compute, whether to snapshot old memory before writing it back, and the
     pending nodes they need when that is known already)."""
     nodes = graph.ancestors([s.contents[1] for s in states])
+    if everything:
+        return states, False, nodes
     small = len(nodes) <= _SMALL_FLUSH_NODES and all(m.numel <= 1 for n in nodes for m in n.out_metas)
     if small and all(s.buffer is None or s.numel * s.dtype.itemsize <= _SNAPSHOT_BYTES for s in states):
         return states, True, nodes
