@@ -192,3 +192,14 @@ def test_assigning_data_of_a_deferred_tensor_says_what_to_do():
         q = torch.ones(3) * 2
         with pytest.raises(NotImplementedError, match="deferfuse.sync"):
             q.data = torch.zeros(3)
+
+
+@pytest.mark.parametrize("program", [
+    lambda b, x: b.masked_fill_(b.select(0, 0), False),       # mask partially overlaps: raises
+    lambda b, x: b.masked_fill_(b, False),                     # the same memory: fine
+    lambda b, x: x.masked_fill_(b, x[0, 1]),                   # value a view of the target: fine
+    lambda b, x: x.masked_fill_(b.clone(), x[1, 0] * 2),
+    lambda b, x: x[0].masked_fill_(b[0], 5.0),
+])
+def test_masked_fill_checks_its_mask_against_the_target_as_torch_does(program):
+    check(program, torch.tensor([[True, False], [False, True]]), torch.arange(4.0).reshape(2, 2))

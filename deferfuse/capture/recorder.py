@@ -107,13 +107,14 @@ def _facts(func: torch._ops.OpOverload) -> tuple:
 class _FastForm(NamedTuple):
     """What Recorder.record_fast needs of an op: its name for cache keys, per positional
     argument whether a float there is a runtime scalar, the names of its scalar arguments, and
-    for an in-place op its functional twin (op, name, whether pointwise)."""
+    for an in-place op its functional twin (op, name, which inputs must not partially overlap
+    the target: ``_overlap_rule``)."""
     name: str
     scalar_at: tuple
     scalar_names: frozenset
     functional: Any = None
     functional_name: str = ""
-    pointwise: bool = False
+    overlap: Optional[str] = None
 
 
 # Per op, its fast path's form, or None where it has none: a pure op with one tensor result
@@ -135,8 +136,8 @@ def _fast_form(func: torch._ops.OpOverload) -> Optional[_FastForm]:
             if twin is _UNKNOWN:
                 twin = _inplace_twin(func, info)
             if twin is not None:
-                functional, _, functional_name, name, pointwise = twin
-                form = _FastForm(name, scalar_at, info.scalar_args, functional, functional_name, pointwise)
+                functional, _, functional_name, name, overlap = twin
+                form = _FastForm(name, scalar_at, info.scalar_args, functional, functional_name, overlap)
     _FAST[id(func)] = form
     return form
 
@@ -424,8 +425,8 @@ class Recorder:
             if entry is None or entry.lowering is None or len(entry.tensor_outs) != 1:
                 return NotImplemented
             out = entry.tensor_outs[0]
-            if form.pointwise:
-                _check_no_partial_overlap([target], args, kwargs)
+            if form.overlap is not None:
+                _check_no_partial_overlap([target], args, kwargs, form.overlap)
             _check_inplace_result(target, out.shape, out.dtype)
             STATS.ops_recorded += 1
             (value,) = self._node(form.functional, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
@@ -603,8 +604,9 @@ class Recorder:
                 f_kwargs.update(dtype=targets[0].dtype, device=targets[0].device)
         else:
             f_args, f_kwargs = args, kwargs
-        if info.pointwise or functional is aten.copy.default:
-            _check_no_partial_overlap(targets, args, kwargs)
+        overlap = _overlap_rule(info, functional)
+        if overlap is not None:
+            _check_no_partial_overlap(targets, args, kwargs, overlap)
         f_args, f_kwargs = _rebind(func, functional, f_args, f_kwargs)
         results = self.dispatch_functional(functional, f_args, f_kwargs)
         results = results if isinstance(results, (tuple, list)) else (results,)
@@ -636,7 +638,7 @@ class Recorder:
         if not isinstance(target, torch.Tensor) or target.is_conj() or target.is_neg() or (
                 isinstance(target, DeferredTensor) and target._meta.dtype != target._storage.dtype):
             return NotImplemented
-        functional, f_info, f_name, name, pointwise = twin
+        functional, f_info, f_name, name, overlap = twin
         vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(f_info.scalar_args, f_info.arg_names, args, kwargs)
         # torch's own checks of the in-place call (broadcasting into self), on meta tensors
         meta_.infer(func, (name, key), margs, mkw)
@@ -648,8 +650,8 @@ class Recorder:
         if entry.lowering is None or len(entry.tensor_outs) != 1:
             return NotImplemented
         out = entry.tensor_outs[0]
-        if pointwise:
-            _check_no_partial_overlap([target], args, kwargs)
+        if overlap is not None:
+            _check_no_partial_overlap([target], args, kwargs, overlap)
         _check_inplace_result(target, out.shape, out.dtype)
         (value,) = self._node(functional, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         self.write(target, value, margs[0])
@@ -1038,9 +1040,23 @@ def _partially_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_begin < b_end and b_begin < a_end
 
 
-def _check_no_partial_overlap(targets: list, args: tuple, kwargs: dict) -> None:
-    """torch's TensorIterator kernels (pointwise ops, copy_) refuse to write a tensor that
-    partially overlaps an input (``assert_no_partial_overlap``); meta kernels do not check it."""
+def _overlap_rule(info, functional) -> Optional[str]:
+    """Which inputs of a write must not partially overlap the written tensor, as torch's kernels
+    check it: every input for pointwise ops (TensorIterator) and copy_, the mask for masked_fill_
+    (its value may be a view of the target; torch's index_put_ checks nothing, see
+    test_regressions); None where nothing is checked."""
+    if info.pointwise or functional is aten.copy.default:
+        return "all"
+    if functional is aten.masked_fill.Scalar or functional is aten.masked_fill.Tensor:
+        return "mask"
+    return None
+
+
+def _check_no_partial_overlap(targets: list, args: tuple, kwargs: dict, rule: str = "all") -> None:
+    """torch's kernels refuse to write a tensor that partially overlaps an input
+    (``assert_no_partial_overlap``, the inputs ``rule`` names); meta kernels do not check it."""
+    if rule == "mask":
+        args, kwargs = (args[1:2], {}) if len(args) > 1 else ((), {"mask": kwargs.get("mask")})
     for target in targets:
         for t in _tensors_in(args, kwargs):
             if _partially_overlap(target, t):
@@ -1082,8 +1098,7 @@ def _inplace_twin(op: torch._ops.OpOverload, info) -> Optional[tuple]:
                           and _same_order(op, functional))
         if same_arguments and f_info.kind is OpKind.PURE and f_facts[1] is None \
                 and not f_info.composite_implicit and f_info.returns == "one":
-            pointwise = info.pointwise or functional is aten.copy.default
-            twin = (functional, f_info, f_facts[2], str(op), pointwise)
+            twin = (functional, f_info, f_facts[2], str(op), _overlap_rule(info, functional))
     _INPLACE_TWINS[id(op)] = twin
     return twin
 
