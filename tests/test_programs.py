@@ -16,7 +16,8 @@ failure prints a standalone reproduction with literal inputs.
 
 Profiles (tests/conftest.py): ``default`` runs 5 x 70 programs, ``HYPOTHESIS_PROFILE=deep`` 5 x 1100.
 With ``DEFERFUSE_PROGRAM_LOG=path`` each program's reproduction is written there before its defer
-run, so a crash that takes the process down (a segfault inside XLA) leaves its program behind.
+run, so a crash that takes the process down (a segfault inside XLA) leaves its program behind
+(``{worker}`` in the path becomes the pytest-xdist worker's name).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def check_program(program: Program) -> None:
     if currently_in_test_context():
         event(f"strict raised {expected.error[1].__name__}" if expected.error else "strict ran to the end")
     nudged = [execute(program, noise=direction) for direction in (1, -1)]
-    log = os.environ.get("DEFERFUSE_PROGRAM_LOG")
+    log = os.environ.get("DEFERFUSE_PROGRAM_LOG", "").replace("{worker}", os.environ.get("PYTEST_XDIST_WORKER", "main"))
     if log:
         # (a crash inside XLA takes the process down before hypothesis can print the program:
         # the last one written here is the culprit)
