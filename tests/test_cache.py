@@ -155,7 +155,8 @@ ONE_OFF = textwrap.dedent("""
         y = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
         total = float(y.sum())
     strict = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    print(json.dumps({"jax": "jax" in sys.modules, "equal": torch.equal(y, strict),
+    print(json.dumps({"jax": "jax" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
+                      "equal": torch.equal(y, strict),
                       "total": total, "strict": float(strict.sum()),
                       "replays": deferfuse.stats()["eager_replays"]}))
 """)
@@ -172,6 +173,9 @@ def test_one_off_script_never_imports_jax(tmp_path):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["replays"] >= 1 and report["equal"] and report["total"] == report["strict"], report
     assert not report["jax"], "JAX was imported by a one-off script"
+    # torch's Python meta kernels import Dynamo at their first call (torch._disable_dynamo);
+    # meta inference keeps them from it (deferfuse/capture/dynamo_free.py)
+    assert not report["dynamo"], "torch._dynamo was imported by a one-off script"
 
 
 def test_stablehlo_of_an_executable_loaded_from_disk(tmp_path):

@@ -24,6 +24,7 @@ from ..ir.meta import TensorMeta
 from ..lower import dtypes as _dtypes
 from ..lower.registry import Lowering, LoweringContext, RuntimeScalar, get_lowering, get_shape_rule
 from ..stats import STATS
+from .dynamo_free import no_dynamo_import
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     if "device" in kwargs and kwargs["device"] is not None:
         meta_kwargs["device"] = torch.device("meta")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), no_dynamo_import():
             # an out= tensor of the wrong size: the recorder resizes the real one and warns
             # then, as torch's kernel does, whether or not this inference is cached
             warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
