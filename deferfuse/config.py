@@ -84,6 +84,12 @@ _declare("cache_dir", str,
 _declare("eager_first_runs", int, 1,
          "Run a new graph signature eagerly (op by op in torch) this many times before its XLA "
          "executable is used; 0 compiles at first sight.  always_compile overrides.")
+_declare("eager_unseen_ops", bool, True,
+         "Run an op this process has not seen with these input shapes, dtypes and layouts at "
+         "once on torch's kernel when its inputs are computed already, as strict does (it returns "
+         "a plain tensor); from its second sighting it is deferred.  A one-off script then never "
+         "asks torch's meta kernels, whose first use imports sympy (~0.5 s), and its results are "
+         "plain tensors.  always_compile and eager_first_runs=0 turn it off.")
 _declare("background_compile", bool, True,
          "Compile new signatures on a background thread, so an eager run never waits for XLA.")
 _declare("autotune_engine", bool, True,

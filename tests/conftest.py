@@ -8,6 +8,12 @@ import tempfile  # noqa: E402
 
 os.environ.setdefault("DEFERFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="deferfuse-test-cache-"))
 
+# An op first seen at a place in the code runs at once when its inputs are computed
+# (eager_unseen_ops): whether a test's ops are deferred would then depend on which tests ran
+# before it in the same worker.  Tests record from the first op; tests/test_unseen_ops.py and
+# the fresh-process tests that drop this variable check the default.
+os.environ.setdefault("DEFERFUSE_EAGER_UNSEEN_OPS", "0")
+
 # Hypothesis profiles: ``default`` (the normal run, well under a few minutes on 2 cores) and
 # ``deep`` (``HYPOTHESIS_PROFILE=deep``, as ``make test-deep`` does).  The program suite in
 # test_programs.py has five generating tests: 5 x 70 = 350 programs by default, 5 x 1100 deep.

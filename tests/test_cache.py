@@ -153,29 +153,48 @@ ONE_OFF = textwrap.dedent("""
     x = torch.linspace(-3.0, 3.0, 1 << 12)
     with deferfuse.defer():
         y = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-        total = float(y.sum())
+    total = float(y.sum())
     strict = x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    print(json.dumps({"jax": "jax" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
-                      "equal": torch.equal(y, strict),
+    stats = deferfuse.stats()
+    print(json.dumps({"imported": [m for m in ("jax", "torch._dynamo", "sympy",
+                                               "torch.distributed.tensor") if m in sys.modules],
+                      "equal": torch.equal(y, strict), "plain": type(y) is torch.Tensor,
                       "total": total, "strict": float(strict.sum()),
-                      "replays": deferfuse.stats()["eager_replays"]}))
+                      "replays": stats["eager_replays"], "unseen": stats["unseen_ops_run"]}))
 """)
 
 
-def test_one_off_script_never_imports_jax(tmp_path):
-    """A graph seen once replays eagerly, so a one-off script never pays JAX's import (about a
-    second): lowering rules import it at their first use, the disk cache only when a graph
-    comes back."""
+def _one_off(tmp_path, **settings) -> dict:
     env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path))
-    env.pop("DEFERFUSE_ALWAYS_COMPILE", None)
+    for name in ("DEFERFUSE_ALWAYS_COMPILE", "DEFERFUSE_EAGER_UNSEEN_OPS"):
+        env.pop(name, None)
+    env.update({"DEFERFUSE_" + name.upper(): value for name, value in settings.items()})
     out = subprocess.run([sys.executable, "-c", ONE_OFF], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["replays"] >= 1 and report["equal"] and report["total"] == report["strict"], report
-    assert not report["jax"], "JAX was imported by a one-off script"
-    # torch's Python meta kernels import Dynamo at their first call (torch._disable_dynamo);
-    # meta inference keeps them from it (deferfuse/capture/dynamo_free.py)
-    assert not report["dynamo"], "torch._dynamo was imported by a one-off script"
+    assert report["equal"] and report["total"] == report["strict"], report
+    return report
+
+
+def test_one_off_script_runs_as_strict_does(tmp_path):
+    """With the default settings a one-off script's ops, each seen once, run at once on torch's
+    kernels (eager_unseen_ops): no graph, no meta kernels (whose first use imports sympy), plain
+    results (an op on a tensor subclass makes torch import torch.distributed.tensor), no JAX."""
+    report = _one_off(tmp_path)
+    assert report["unseen"] == 8 and report["replays"] == 0 and report["plain"], report
+    assert report["imported"] == [], f"a one-off script imported {report['imported']}"
+
+
+def test_one_off_graph_never_imports_jax_or_dynamo(tmp_path):
+    """Recorded from the first op, a graph seen once replays eagerly, so a one-off script never
+    pays JAX's import (about a second): lowering rules import it at their first use, the disk
+    cache only when a graph comes back.  torch's Python meta kernels import Dynamo at their
+    first call (torch._disable_dynamo); meta inference keeps them from it
+    (deferfuse/capture/dynamo_free.py)."""
+    report = _one_off(tmp_path, eager_unseen_ops="0")
+    assert report["replays"] >= 1 and report["unseen"] == 0 and not report["plain"], report
+    assert "jax" not in report["imported"], "JAX was imported by a one-off script"
+    assert "torch._dynamo" not in report["imported"], "torch._dynamo was imported by a one-off script"
 
 
 def test_stablehlo_of_an_executable_loaded_from_disk(tmp_path):

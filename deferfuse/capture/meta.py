@@ -94,6 +94,23 @@ def cached(key: Any) -> Optional[MetaEntry]:
     return entry
 
 
+_SIGHTED: set = set()   # (site, key) of calls run eagerly at their first sighting
+
+
+def first_sighting(key: Any, site: Any) -> bool:
+    """True the first time ``key`` is asked about from ``site`` (a place in the user's code),
+    while its metadata has never been inferred: the recorder then runs the call eagerly
+    instead.  A call that comes back to a site (a loop, a function called again) is inferred,
+    and from then on ``key`` is cached wherever it is called from."""
+    if key in _CACHE:
+        return False
+    sighting = (site, key)
+    if sighting in _SIGHTED:
+        return False
+    _SIGHTED.add(sighting)
+    return True
+
+
 def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> MetaEntry:
     """Metadata of ``op(*args, **kwargs)``, where tensors are given as TensorMeta.
 

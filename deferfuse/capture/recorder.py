@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .. import config
 from ..errors import FallbackReason, FlushReason
 from ..exec import runtime
-from ..debugging.source import user_source
+from ..debugging.source import user_site, user_source
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..ir.meta import TensorMeta
@@ -168,6 +168,8 @@ class Recorder:
         self.pending_nodes = 0
         self.record_source = config.get("record_source")
         self.max_pending = config.get("max_pending_nodes")
+        self.eager_unseen = (config.get("eager_unseen_ops") and not config.get("always_compile")
+                             and config.get("eager_first_runs") > 0)
         self.active = True
         self.epoch = next(_epochs)
         self.sizing: set = set()      # data-dependent ops whose size rule is running
@@ -492,16 +494,27 @@ class Recorder:
             return self.run_allocation(func, info, args, kwargs)
         return self.run_inplace_view(func, info, args, kwargs)
 
-    def _entry(self, func, info, args, kwargs):
+    def _entry(self, func, info, args, kwargs, at_once_if_unseen: bool = False):
+        """(node args, node kwargs, meta entry, key, input values, runtime scalars) of a call;
+        None when ``at_once_if_unseen`` and this call is seen for the first time (the caller
+        runs it eagerly, with no entry inferred)."""
         vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(info.scalar_args, info.arg_names, args, kwargs)
         # (keyed by the op's name: hashing the OpOverload itself runs Python)
         facts = _FACTS.get(id(func)) or _facts(func)
         key = (facts[2], key)
+        if at_once_if_unseen and meta_.first_sighting(key, user_site()):
+            return None
         entry = meta_.infer(func, key, margs, mkw)
         return vargs, vkw, entry, key, inputs, scalars
 
     def record(self, func, info, args, kwargs) -> Any:
-        vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
+        found = self._entry(func, info, args, kwargs, self.eager_unseen and _computed(args, kwargs))
+        if found is None:
+            # seen for the first time with its inputs computed: run it as strict does
+            # (eager_unseen_ops), with no meta inference
+            STATS.unseen_ops_run += 1
+            return self.run_eager(func, info, args, kwargs, None, None)
+        vargs, vkw, entry, key, inputs, scalars = found
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
         outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
@@ -1416,6 +1429,21 @@ def _skip_dynamo_without_wrapper() -> None:
 
 
 _skip_dynamo_without_wrapper()
+
+
+def _computed(args: tuple, kwargs: dict) -> bool:
+    """Whether every tensor argument holds its values already (no pending writes into it)."""
+    for t in _tensors_in(args, kwargs):
+        if type(t) is DeferredTensor:
+            if t._storage.contents is not None:
+                return False
+        elif t.layout is not torch.strided:
+            return False
+        else:
+            state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
+            if state is not None and state.contents is not None:
+                return False
+    return True
 
 
 def dispatch_outside_context(func, args, kwargs) -> Any:

@@ -38,3 +38,20 @@ def user_source() -> Optional[str]:
             return f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+def user_site() -> Optional[tuple]:
+    """(code object, bytecode offset) of the innermost frame outside deferfuse, torch and jax:
+    the place in the user's code that made the current call, told apart from other calls on the
+    same line."""
+    frame = sys._getframe(1)
+    known = _IS_INTERNAL
+    while frame is not None:
+        code = frame.f_code
+        internal = known.get(code)
+        if internal is None:
+            internal = _is_internal(code)
+        if not internal:
+            return code, frame.f_lasti
+        frame = frame.f_back
+    return None

@@ -1,0 +1,110 @@
+"""Ops seen for the first time run at once (the eager_unseen_ops setting, on by default).
+
+An op whose metadata this process has never inferred, called from a place in the user's code
+that has not made that call before, runs on torch's kernel as strict would when its inputs hold
+their values already, and returns a plain tensor; a call that comes back to its place (a loop,
+a function called again) is deferred.  tests/conftest.py turns the setting off for the rest of
+the suite, so these tests turn it on.  Shapes here are used by no other test: a shape another
+test has run makes its metadata cached, and a cached op is deferred wherever it is called from.
+"""
+
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import config
+from deferfuse.capture.tensor import DeferredTensor
+
+
+@pytest.fixture
+def unseen_on():
+    with config.override(eager_unseen_ops=True, always_compile=False, eager_first_runs=1):
+        yield
+
+
+def test_first_sighting_runs_at_once_and_returns_plain_tensors(unseen_on):
+    x = torch.randn(37, 43)
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        y = (x * 2.5).exp()
+        assert type(y) is torch.Tensor
+        z = y.sum(dim=1)
+    assert type(z) is torch.Tensor
+    torch.testing.assert_close(z, (x * 2.5).exp().sum(dim=1), rtol=0, atol=0)
+    stats = deferfuse.stats()
+    assert stats["unseen_ops_run"] == 3 and stats["eager_replays"] == 0
+    assert stats["executions"] == 0 and not stats["fallbacks"]
+
+
+def test_the_same_call_twice_on_one_line_runs_at_once_both_times(unseen_on):
+    x = torch.randn(41, 3)
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        y = x * 0.5 * (x * 0.25)   # two calls of mul(Tensor, float) on 41x3, at two places
+    assert type(y) is torch.Tensor and deferfuse.stats()["unseen_ops_run"] == 3
+    torch.testing.assert_close(y, x * 0.5 * (x * 0.25), rtol=0, atol=0)
+
+
+def test_a_loop_defers_from_its_second_iteration(unseen_on):
+    x = torch.randn(29, 31)
+    types = []
+    for _ in range(3):
+        with deferfuse.defer():
+            y = torch.tanh(x * 1.5 + 1.0)
+            types.append(type(y))
+        torch.testing.assert_close(y, torch.tanh(x * 1.5 + 1.0))
+    assert types == [torch.Tensor, DeferredTensor, DeferredTensor]
+
+
+def test_a_loop_inside_one_block_defers_from_its_second_iteration(unseen_on):
+    x = torch.randn(23, 19)
+    expected = x.clone()
+    for _ in range(4):
+        expected = expected * 0.5 + 1.0
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        y = x
+        kinds = []
+        for _ in range(4):
+            y = y * 0.5 + 1.0
+            kinds.append(type(y))
+    assert kinds == [torch.Tensor] + [DeferredTensor] * 3
+    assert deferfuse.stats()["unseen_ops_run"] == 2
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_an_op_on_a_pending_value_is_recorded(unseen_on):
+    x = torch.randn(17, 13)
+    x_strict = x.clone()
+    with deferfuse.defer():
+        x.add_(1.0)                # written in place: x's new values are pending
+        z = x * 3.0               # first sighting, but its input is not computed
+        assert type(z) is DeferredTensor
+    x_strict.add_(1.0)
+    torch.testing.assert_close(x, x_strict, rtol=0, atol=0)
+    torch.testing.assert_close(z, x_strict * 3.0, rtol=0, atol=0)
+
+
+def test_an_error_at_first_sighting_is_torchs_and_the_block_goes_on(unseen_on):
+    a, b = torch.randn(11), torch.randn(12)
+    with pytest.raises(RuntimeError) as strict:
+        a + b
+    with deferfuse.defer():
+        with pytest.raises(RuntimeError) as deferred:
+            a + b
+        c = a * 2.0
+    assert str(deferred.value) == str(strict.value)
+    torch.testing.assert_close(c, a * 2.0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("settings,columns", [(dict(eager_unseen_ops=False), 53),
+                                              (dict(always_compile=True), 59),
+                                              (dict(eager_first_runs=0), 61)], ids=str)
+def test_settings_that_turn_it_off(settings, columns):
+    x = torch.randn(7, columns)   # (a shape of its own: a cached op is deferred anyway)
+    with config.override(**{"eager_unseen_ops": True, "always_compile": False,
+                            "eager_first_runs": 1, **settings}):
+        with deferfuse.defer():
+            y = x - 0.75
+            assert type(y) is DeferredTensor
+    torch.testing.assert_close(y, x - 0.75, rtol=0, atol=0)
