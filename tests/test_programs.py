@@ -115,9 +115,16 @@ def _pow_log_magnitude(base: Any, exponent: Any, out: torch.Tensor) -> Any:
     return torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).clamp(max=1e6)
 
 
-def execute(program: Program, defer: bool = False, noise: int = 0) -> Outcome:
+# The default tiers, made deterministic: first sightings run at once, a graph's first sighting
+# replays eagerly, its second compiles in the foreground (no background thread to race).
+TIERED = dict(always_compile=False, eager_unseen_ops=True, eager_first_runs=1,
+              background_compile=False, autotune_engine=False)
+
+
+def execute(program: Program, defer: bool = False, noise: int = 0, tiered: bool = False) -> Outcome:
     """Run `program` on fresh inputs: under strict PyTorch, under strict with `UlpNoise` in
-    direction `noise` (+1 or -1), or under defer mode."""
+    direction `noise` (+1 or -1), or under defer mode (``tiered``: with the default tiers,
+    see ``TIERED``, instead of compiling every flush)."""
     built = [spec.build() for spec in program.inputs]
     observed: list = []
 
@@ -128,7 +135,8 @@ def execute(program: Program, defer: bool = False, noise: int = 0) -> Outcome:
     namespace.update({f"v{i}": tensor for i, (tensor, _) in enumerate(built)})
     if defer:
         # every program is new, so the on-disk executable cache would only cost writes
-        with deferfuse.config.override(always_compile=True, cache_dir=""):
+        settings = TIERED if tiered else dict(always_compile=True)
+        with deferfuse.config.override(cache_dir="", **settings):
             with deferfuse.defer():
                 error = _run_steps(program.steps, namespace)
     elif noise:
@@ -217,12 +225,21 @@ def compare(expected: Outcome, actual: Outcome, nudged: list[Outcome] = ()) -> l
     return [p for p in problems if p]
 
 
-def check_program(program: Program) -> None:
-    """Run `program` under strict and under defer and require the same observable outcome."""
+def check_program(program: Program, tiered_runs: int = 0) -> None:
+    """Run `program` under strict and under defer and require the same observable outcome
+    (``tiered_runs``: run it that many times under the default tiers instead, each compared)."""
     expected = execute(program)
     if currently_in_test_context():
         event(f"strict raised {expected.error[1].__name__}" if expected.error else "strict ran to the end")
     nudged = [execute(program, noise=direction) for direction in (1, -1)]
+    for run in range(tiered_runs):
+        actual = execute(program, defer=True, tiered=True)
+        problems = compare(expected, actual, nudged)
+        if problems:
+            raise AssertionError(f"defer differs from strict in tiered run {run + 1}:\n"
+                                 + "\n".join(problems) + f"\n\nrepro:\n{program.repro()}")
+    if tiered_runs:
+        return
     log = os.environ.get("DEFERFUSE_PROGRAM_LOG", "").replace("{worker}", os.environ.get("PYTEST_XDIST_WORKER", "main"))
     if log:
         # (a crash inside XLA takes the process down before hypothesis can print the program:
@@ -267,6 +284,14 @@ def test_mixed_programs(program: Program) -> None:
     check_program(program)
 
 
+@given(programs("mixed"))
+def test_mixed_programs_through_the_tiers(program: Program) -> None:
+    """The same program three times with the default tiers, as a loop would run it: its ops run
+    at once where first seen (eager_unseen_ops), then its graph replays eagerly, then it runs
+    compiled; every run must match strict."""
+    check_program(program, tiered_runs=3)
+
+
 def test_programs_really_run_through_xla() -> None:
     """Guard the suite against comparing strict with strict: a program's defer run records its
     ops and executes them as a compiled XLA computation."""
@@ -276,6 +301,22 @@ def test_programs_really_run_through_xla() -> None:
     assert compare(execute(program), execute(program, defer=True)) == []
     stats = deferfuse.stats()
     assert stats["ops_recorded"] >= 2 and stats["compiles"] >= 1 and stats["eager_replays"] == 0
+
+
+def test_tiered_runs_go_through_every_tier() -> None:
+    """Guard the tiered test likewise: its first run runs ops at once, its second replays the
+    recorded graph eagerly, its third runs it compiled."""
+    program = Program(inputs=(InputSpec((3, 5), torch.float32, "permuted", "uniform", 11),),
+                      steps=(Step("sin", (0,), out=1), Step("mul_", (0, 1))))
+    expected = execute(program)
+    seen = []
+    for _ in range(3):
+        deferfuse.reset_stats()
+        assert compare(expected, execute(program, defer=True, tiered=True)) == []
+        stats = deferfuse.stats()
+        seen.append((stats["unseen_ops_run"] > 0, stats["eager_replays"] > 0, stats["executions"] > 0))
+    # (the first run's mul_ is recorded, in place ops never run at once, and replays eagerly)
+    assert seen == [(True, True, False), (False, True, False), (False, False, True)], seen
 
 
 def test_every_op_is_in_some_family() -> None:
