@@ -90,6 +90,12 @@ _declare("eager_unseen_ops", bool, True,
          "a plain tensor); from its second sighting it is deferred.  A one-off script then never "
          "asks torch's meta kernels, whose first use imports sympy (~0.5 s), and its results are "
          "plain tensors.  always_compile and eager_first_runs=0 turn it off.")
+_declare("eager_lone_ops", bool, True,
+         "Run an op at once on torch's kernel, when its inputs are computed, at a place in the "
+         "code where its last flush was lone (one op, which runs on torch's kernel anyway): "
+         "recording it and flushing would only add their cost.  Once its result feeds a "
+         "recorded op, the place is recorded again.  Needs lone_op_on_torch; always_compile "
+         "turns it off.")
 _declare("background_compile", bool, True,
          "Compile new signatures on a background thread, so an eager run never waits for XLA.")
 _declare("autotune_engine", bool, True,

@@ -32,7 +32,7 @@ class GroupRecord:
     reason: str
     op_objects: list[Any]
     bound_objects: list[Any]
-    sources: list[str]
+    sources: list  # SourceLine of each node (str() gives file:line), None where not recorded
     n_outputs: int
     edges: list[tuple[int, int]]           # (producer node id, consumer node id) inside or into
     node_ids: list[int]
@@ -72,7 +72,7 @@ class FlushRecord:
                 ops += f", ... ({len(counts) - 8} more kinds)"
             compute = sum(1 for b in g.bounds if b == "compute-bound")
             kind = f"{compute} compute-bound, {len(g.bounds) - compute} memory-bound"
-            sources = sorted(set(s for s in g.sources if s))
+            sources = sorted(set(str(s) for s in g.sources if s))
             span = ""
             if sources:
                 span = f"; recorded at {sources[0]}" + (f" ... {sources[-1]}" if len(sources) > 1 else "")

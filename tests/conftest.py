@@ -13,6 +13,10 @@ os.environ.setdefault("DEFERFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="deferfuse-
 # before it in the same worker.  Tests record from the first op; tests/test_unseen_ops.py and
 # the fresh-process tests that drop this variable check the default.
 os.environ.setdefault("DEFERFUSE_EAGER_UNSEEN_OPS", "0")
+# Likewise an op whose flushes were lone runs at once at its place in the code (eager_lone_ops):
+# a test's loop would stop recording after its first lone flush.  tests/test_unseen_ops.py
+# checks it.
+os.environ.setdefault("DEFERFUSE_EAGER_LONE_OPS", "0")
 
 # Hypothesis profiles: ``default`` (the normal run, well under a few minutes on 2 cores) and
 # ``deep`` (``HYPOTHESIS_PROFILE=deep``, as ``make test-deep`` does).  The program suite in

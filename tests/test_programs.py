@@ -115,10 +115,12 @@ def _pow_log_magnitude(base: Any, exponent: Any, out: torch.Tensor) -> Any:
     return torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).clamp(max=1e6)
 
 
-# The default tiers, made deterministic: first sightings run at once, a graph's first sighting
-# replays eagerly, its second compiles in the foreground (no background thread to race).
-TIERED = dict(always_compile=False, eager_unseen_ops=True, eager_first_runs=1,
-              background_compile=False, autotune_engine=False)
+# The default tiers, made deterministic: first sightings and ops whose flushes were lone run at
+# once, a graph's first sighting replays eagerly, its second compiles in the foreground (no
+# background thread to race).
+TIERED = dict(always_compile=False, eager_unseen_ops=True, eager_lone_ops=True,
+              lone_op_on_torch=True, eager_first_runs=1, background_compile=False,
+              autotune_engine=False)
 
 
 def execute(program: Program, defer: bool = False, noise: int = 0, tiered: bool = False) -> Outcome:
@@ -287,8 +289,9 @@ def test_mixed_programs(program: Program) -> None:
 @given(programs("mixed"))
 def test_mixed_programs_through_the_tiers(program: Program) -> None:
     """The same program three times with the default tiers, as a loop would run it: its ops run
-    at once where first seen (eager_unseen_ops), then its graph replays eagerly, then it runs
-    compiled; every run must match strict."""
+    at once where first seen (eager_unseen_ops) or where their flushes were lone
+    (eager_lone_ops), then its graph replays eagerly, then it runs compiled; every run must
+    match strict."""
     check_program(program, tiered_runs=3)
 
 

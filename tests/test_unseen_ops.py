@@ -1,10 +1,12 @@
-"""Ops seen for the first time run at once (the eager_unseen_ops setting, on by default).
+"""Ops that run at once inside a defer block: first sightings (eager_unseen_ops) and ops whose
+flushes were lone (eager_lone_ops), both on by default.
 
 An op whose metadata this process has never inferred, called from a place in the user's code
 that has not made that call before, runs on torch's kernel as strict would when its inputs hold
 their values already, and returns a plain tensor; a call that comes back to its place (a loop,
-a function called again) is deferred.  tests/conftest.py turns the setting off for the rest of
-the suite, so these tests turn it on.  Shapes here are used by no other test: a shape another
+a function called again) is deferred.  An op whose last flush at its place was lone (one op,
+run on torch's kernel anyway) runs at once there too, until its result feeds a recorded op.
+tests/conftest.py turns both settings off for the rest of the suite, so these tests turn them on.  Shapes here are used by no other test: a shape another
 test has run makes its metadata cached, and a cached op is deferred wherever it is called from.
 """
 
@@ -108,3 +110,69 @@ def test_settings_that_turn_it_off(settings, columns):
             y = x - 0.75
             assert type(y) is DeferredTensor
     torch.testing.assert_close(y, x - 0.75, rtol=0, atol=0)
+
+
+# -- ops whose flushes were lone -------------------------------------------------------------
+
+@pytest.fixture
+def lone_on():
+    with config.override(eager_lone_ops=True, lone_op_on_torch=True, eager_unseen_ops=False,
+                         always_compile=False):
+        yield
+
+
+def _layer_norm_block(x, w, b, consume: bool = False, first=None):
+    with deferfuse.defer():
+        if first is not None:
+            first()
+        y = torch.nn.functional.layer_norm(x, x.shape[-1:], w, b)
+        kind = type(y)
+        z = y * 2.0 if consume else None
+    return y, z, kind
+
+
+def test_a_lone_flush_runs_at_once_from_then_on(lone_on):
+    x, w, b = torch.randn(67, 5), torch.randn(5), torch.randn(5)
+    deferfuse.reset_stats()
+    kinds = []
+    for _ in range(4):
+        y, _, kind = _layer_norm_block(x, w, b)
+        kinds.append(kind)
+        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (5,), w, b), rtol=0, atol=0)
+    assert kinds == [DeferredTensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    assert deferfuse.stats()["lone_ops_run"] == 3
+
+
+def test_a_result_feeding_a_recorded_op_makes_its_place_record_again(lone_on):
+    x, w, b = torch.randn(71, 6), torch.randn(6), torch.randn(6)
+    expected = torch.nn.functional.layer_norm(x, (6,), w, b)
+    kinds = []
+    for consume in (False, False, True, True):
+        y, z, kind = _layer_norm_block(x, w, b, consume)
+        kinds.append(kind)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        if consume:
+            torch.testing.assert_close(z, expected * 2.0, rtol=0, atol=0)
+    # lone, at once, at once but read by the recorded mul (the place records again), recorded
+    assert kinds == [DeferredTensor, torch.Tensor, torch.Tensor, DeferredTensor]
+
+
+def test_a_lone_place_with_a_pending_input_is_recorded(lone_on):
+    x, w, b = torch.randn(73, 7), torch.randn(7), torch.randn(7)
+    assert [_layer_norm_block(x, w, b)[2] for _ in range(2)] == [DeferredTensor, torch.Tensor]
+    x2 = x.clone()
+    # x2's values are pending when the learned place runs layer_norm on it
+    y, _, kind = _layer_norm_block(x2, w, b, first=lambda: x2.mul_(3.0))
+    assert kind is DeferredTensor
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x * 3.0, (7,), w, b))
+
+
+@pytest.mark.parametrize("settings,rows", [(dict(eager_lone_ops=False), 79),
+                                           (dict(lone_op_on_torch=False), 83),
+                                           (dict(always_compile=True), 89)], ids=str)
+def test_settings_that_keep_lone_ops_recorded(settings, rows):
+    x, w, b = torch.randn(rows, 3), torch.randn(3), torch.randn(3)
+    with config.override(**{"eager_lone_ops": True, "lone_op_on_torch": True,
+                            "eager_unseen_ops": False, "always_compile": False, **settings}):
+        kinds = [_layer_norm_block(x, w, b)[2] for _ in range(3)]
+    assert kinds == [DeferredTensor] * 3

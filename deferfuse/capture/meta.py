@@ -34,6 +34,9 @@ class MetaEntry:
     lowering: Optional[Lowering]              # None: no usable lowering
     reason: Optional[str]                     # why there is none
     ctx: LoweringContext
+    # places in the user's code (SourceLine) where this call's last flush was lone: one op,
+    # run on torch's kernel anyway; the recorder runs it at once there (eager_lone_ops)
+    lone_sites: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
 
 _CACHE: dict[Any, Any] = {}   # key -> MetaEntry, or _NO_META

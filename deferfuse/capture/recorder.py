@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .. import config
 from ..errors import FallbackReason, FlushReason
 from ..exec import runtime
-from ..debugging.source import user_site, user_source
+from ..debugging.source import user_line, user_source
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..ir.meta import TensorMeta
@@ -170,6 +170,11 @@ class Recorder:
         self.max_pending = config.get("max_pending_nodes")
         self.eager_unseen = (config.get("eager_unseen_ops") and not config.get("always_compile")
                              and config.get("eager_first_runs") > 0)
+        self.eager_lone = (config.get("eager_lone_ops") and config.get("lone_op_on_torch")
+                           and not config.get("always_compile"))
+        # id(plain tensor) -> (weak ref, entry, site) of results of ops run at once where their
+        # flushes were lone: one of them feeding a recorded op means that place fuses again
+        self.at_once: dict[int, tuple] = {}
         self.active = True
         self.epoch = next(_epochs)
         self.sizing: set = set()      # data-dependent ops whose size rule is running
@@ -180,7 +185,7 @@ class Recorder:
               lowering: Any = None, inputs: Optional[tuple] = None, scalars: tuple = ()) -> tuple[Value, ...]:
         """A new pending node; returns its output Values."""
         self.pending_nodes += 1
-        source = user_source() if self.record_source else None
+        source = user_line() if self.record_source else None
         return graph.emit(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
 
     def _real(self, t: torch.Tensor) -> tuple[StorageState, TensorMeta]:
@@ -188,6 +193,12 @@ class Recorder:
         (weakly): an optimizer step reads and writes each parameter several times.  Checked on
         every use against the tensor's memory and layout, which code we do not see can change
         (``p.data = q``); changes we do see clear the memory of them (``_forget_plain``)."""
+        if self.at_once:
+            ran = self.at_once.pop(id(t), None)
+            if ran is not None and ran[0]() is t:
+                # an op run at once because its flushes were lone feeds a recorded op: at
+                # that place it may fuse again, so record it there next time
+                ran[1].lone_sites.discard(ran[2])
         cached = self.plain.get(id(t))
         if cached is not None and cached[0]() is t:
             m = cached[2]
@@ -407,6 +418,10 @@ class Recorder:
             if entry is None or entry.lowering is None or entry.outs[0] is None:
                 return NotImplemented
             STATS.ops_recorded += 1
+            if entry.lone_sites and self.eager_lone:
+                result = self._at_once_if_lone(func, entry, args, kwargs)
+                if result is not NotImplemented:
+                    return result
             (value,) = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
             result = self.fresh(entry.outs[0], value)
         else:
@@ -502,7 +517,7 @@ class Recorder:
         # (keyed by the op's name: hashing the OpOverload itself runs Python)
         facts = _FACTS.get(id(func)) or _facts(func)
         key = (facts[2], key)
-        if at_once_if_unseen and meta_.first_sighting(key, user_site()):
+        if at_once_if_unseen and meta_.first_sighting(key, user_line()):
             return None
         entry = meta_.infer(func, key, margs, mkw)
         return vargs, vkw, entry, key, inputs, scalars
@@ -515,10 +530,27 @@ class Recorder:
             STATS.unseen_ops_run += 1
             return self.run_eager(func, info, args, kwargs, None, None)
         vargs, vkw, entry, key, inputs, scalars = found
+        if entry.lone_sites and self.eager_lone:
+            result = self._at_once_if_lone(func, entry, args, kwargs)
+            if result is not NotImplemented:
+                return result
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
         outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return _restructure(info, self._fresh_outputs(entry, outputs))
+
+    def _at_once_if_lone(self, func, entry, args, kwargs) -> Any:
+        """Run a pure op at once on torch's kernel if its last flush at this place was lone and
+        its inputs are computed (eager_lone_ops); NotImplemented otherwise."""
+        site = user_line()
+        if site not in entry.lone_sites or not _computed(args, kwargs):
+            return NotImplemented
+        STATS.lone_ops_run += 1
+        real_args, real_kwargs = self.realize((args, kwargs), FlushReason.FALLBACK)
+        out = func(*real_args, **real_kwargs)
+        for t in _tensors_in(out):
+            self.at_once[id(t)] = (weakref.ref(t), entry, site)
+        return out
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
         if entry is None or entry.reason != meta_.NO_JAX_DTYPE:

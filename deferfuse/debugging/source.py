@@ -40,10 +40,41 @@ def user_source() -> Optional[str]:
     return None
 
 
-def user_site() -> Optional[tuple]:
-    """(code object, bytecode offset) of the innermost frame outside deferfuse, torch and jax:
-    the place in the user's code that made the current call, told apart from other calls on the
-    same line."""
+
+class SourceLine:
+    """A place in the user's code: a code object and a bytecode offset (two calls on one line
+    are two places).  Cheap to take on every recorded op; ``str()`` gives "file:line"."""
+
+    __slots__ = ("code", "lasti")
+
+    def __init__(self, code, lasti: int) -> None:
+        self.code = code
+        self.lasti = lasti
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is SourceLine and other.code is self.code and other.lasti == self.lasti
+
+    def __hash__(self) -> int:
+        return hash((id(self.code), self.lasti))
+
+    @property
+    def line(self) -> Optional[int]:
+        for start, end, line in self.code.co_lines():
+            if start <= self.lasti < end:
+                return line
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.code.co_filename}:{self.line}"
+
+    __repr__ = __str__
+
+
+def user_line() -> Optional[SourceLine]:
+    """The place in the user's code that made the current call: the innermost frame outside
+    deferfuse, torch and jax.  Called for every recorded op, so whether a code object is
+    internal is looked up, not worked out, each time; the line number is worked out only when
+    the place is printed."""
     frame = sys._getframe(1)
     known = _IS_INTERNAL
     while frame is not None:
@@ -52,6 +83,6 @@ def user_site() -> Optional[tuple]:
         if internal is None:
             internal = _is_internal(code)
         if not internal:
-            return code, frame.f_lasti
+            return SourceLine(code, frame.f_lasti)
         frame = frame.f_back
     return None

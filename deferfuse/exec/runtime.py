@@ -107,7 +107,7 @@ class Program:
         return [env[i] for i in self.outputs], failed, details
 
 
-def _at(source: Optional[str]) -> str:
+def _at(source: Any) -> str:
     return f" (recorded at {source})" if source else ""
 
 
@@ -528,7 +528,7 @@ def should_replay_eagerly(nodes: list[Node]) -> bool:
 def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
             trigger: Optional[str] = None) -> list[torch.Tensor]:
     """Compute ``outputs``: plan the subgraph into groups, run each as one computation."""
-    from ..plan.partition import Engine, partition
+    from ..plan.partition import Engine, SplitReason, partition
     from .. import observe
     plan = partition(nodes, outputs)
     record = observe.record_plan(plan, reason, trigger, len(outputs))
@@ -536,6 +536,8 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
         if group.engine is Engine.TORCH:
             results = execute_eager(group.nodes, group.outputs, count=False)
             record.ran(group, "torch")
+            if group.reason is SplitReason.LONE_OP:
+                _learn_lone(group.nodes)
         elif should_replay_eagerly(group.nodes):
             results = execute_eager(group.nodes, group.outputs)
             record.ran(group, "eager replay")
@@ -556,6 +558,17 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
         for v, r in zip(group.outputs, results):
             v.result = r
     return [v.result for v in outputs]
+
+
+def _learn_lone(nodes: list[Node]) -> None:
+    """A lone op's flush ran on torch's kernel: at the place that recorded it, the recorder
+    may run it at once next time (eager_lone_ops)."""
+    if not config.get("eager_lone_ops"):
+        return
+    for node in nodes:
+        sites = getattr(node.lowering, "lone_sites", None)   # (the node's meta entry)
+        if sites is not None and node.source is not None:
+            sites.add(node.source)
 
 
 def _index_of(record: Any, group: Any) -> int:

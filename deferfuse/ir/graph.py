@@ -74,7 +74,7 @@ class Node:
                  "inputs", "scalars", "__weakref__")
 
     def __init__(self, op: Any, args: tuple, kwargs: dict, out_metas: tuple[TensorMeta, ...],
-                 key: Any, source: Optional[str] = None, lowering: Any = None,
+                 key: Any, source: Any = None, lowering: Any = None,
                  inputs: Optional[tuple] = None, scalars: tuple = ()) -> None:
         self.id = next(_node_ids)
         self.op = op
@@ -85,7 +85,7 @@ class Node:
         self.inputs: tuple = tuple(self._walk_values()) if inputs is None else inputs
         self.scalars = scalars
         self.key = key            # structural: op and static arguments, no value identities
-        self.source = source      # "file:line" of the user code that recorded it
+        self.source = source      # the place in the user's code that recorded it (SourceLine)
         self.lowering = lowering
         self.out_metas = out_metas
         self.out_refs: tuple = ()   # weak references to the output Values (set by emit)
@@ -112,7 +112,7 @@ class Node:
 
 
 def emit(op: Any, args: tuple, kwargs: dict, out_metas: tuple[TensorMeta, ...], key: Any,
-         source: Optional[str] = None, lowering: Any = None, inputs: Optional[tuple] = None,
+         source: Any = None, lowering: Any = None, inputs: Optional[tuple] = None,
          scalars: tuple = ()) -> tuple[Value, ...]:
     """A new node; returns its output Values (the node holds them only weakly)."""
     node = Node(op, args, kwargs, out_metas, key, source, lowering, inputs, scalars)
