@@ -87,6 +87,23 @@ def _meta_of_output(out: Any, device: torch.device) -> Optional[TensorMeta]:
     return None
 
 
+# id() of the ops that have had a lone flush (eager_lone_ops): the recorder looks for a lone
+# place only for these
+LONE_OPS: set = set()
+
+
+def mark_lone(entry: MetaEntry, op: Any, site: Any) -> None:
+    """``op``'s flush recorded at ``site`` ran alone (on torch's kernel)."""
+    entry.lone_sites.add(site)
+    LONE_OPS.add(id(op))
+
+
+def cached_quietly(key: Any) -> Optional[MetaEntry]:
+    """Like ``cached``, uncounted: a probe that may well find nothing usable."""
+    entry = _CACHE.get(key)
+    return None if entry is None or entry is _NO_META else entry
+
+
 def cached(key: Any) -> Optional[MetaEntry]:
     """The cached metadata for ``key``, counted as a hit; None if it is not cached or meta
     tensors could not give it (``infer`` says which)."""

@@ -346,20 +346,15 @@ class Recorder:
             v, m = self.read(a)
             found.append(v)
             return v, m, m
-        if type(a) is float and is_scalar_arg:
-            r = RuntimeScalar(a)
-            scalars.append(a)
-            return r, r, float
         if isinstance(a, (list, tuple)):
             parts = [self._convert_one(x, is_scalar_arg, found, scalars) for x in a]
             return (type(a)(p[0] for p in parts), type(a)(p[1] for p in parts), tuple(p[2] for p in parts))
-        if isinstance(a, float):
-            # key floats by their bits: -0.0 and nan must not collide
-            return a, a, (float, a.hex())
-        if type(a) is bool:
-            # True == 1 and hash alike, but promote differently
-            return a, a, (bool, a)
-        return a, a, a
+        k = _static_key(a, is_scalar_arg)
+        if k is float:
+            r = RuntimeScalar(a)
+            scalars.append(a)
+            return r, r, float
+        return a, a, k
 
     # -- dispatch ------------------------------------------------------------------------------
     def _convert_fast(self, form: "_FastForm", args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -418,10 +413,6 @@ class Recorder:
             if entry is None or entry.lowering is None or entry.outs[0] is None:
                 return NotImplemented
             STATS.ops_recorded += 1
-            if entry.lone_sites and self.eager_lone:
-                result = self._at_once_if_lone(func, entry, args, kwargs)
-                if result is not NotImplemented:
-                    return result
             (value,) = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
             result = self.fresh(entry.outs[0], value)
         else:
@@ -530,21 +521,27 @@ class Recorder:
             STATS.unseen_ops_run += 1
             return self.run_eager(func, info, args, kwargs, None, None)
         vargs, vkw, entry, key, inputs, scalars = found
-        if entry.lone_sites and self.eager_lone:
-            result = self._at_once_if_lone(func, entry, args, kwargs)
-            if result is not NotImplemented:
-                return result
         if entry.lowering is None:
             return self.without_lowering(func, info, args, kwargs, entry)
         outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return _restructure(info, self._fresh_outputs(entry, outputs))
 
-    def _at_once_if_lone(self, func, entry, args, kwargs) -> Any:
-        """Run a pure op at once on torch's kernel if its last flush at this place was lone and
-        its inputs are computed (eager_lone_ops); NotImplemented otherwise."""
-        site = user_line()
-        if site not in entry.lone_sites or not _computed(args, kwargs):
+    def at_once_if_lone(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run a pure op at once on torch's kernel if its last flush at this place in the user's
+        code was lone and its inputs are computed (eager_lone_ops); NotImplemented otherwise.
+        Tried before recording, only for ops that have had a lone flush, with the call's key
+        taken from its arguments' metadata without reading them into the graph."""
+        info, _, name = _FACTS.get(id(func)) or _facts(func)
+        if info.kind is not OpKind.PURE or not _computed(args, kwargs):
             return NotImplemented
+        key = _light_key(name, info, args, kwargs)
+        entry = meta_.cached_quietly(key) if key is not None else None
+        if entry is None or not entry.lone_sites:
+            return NotImplemented
+        site = user_line()
+        if site not in entry.lone_sites:
+            return NotImplemented
+        STATS.ops_recorded += 1
         STATS.lone_ops_run += 1
         real_args, real_kwargs = self.realize((args, kwargs), FlushReason.FALLBACK)
         out = func(*real_args, **real_kwargs)
@@ -1402,6 +1399,10 @@ def _defer_dispatch(self, func, types, args=(), kwargs=None):
     """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
     recorder = self.recorder
     kwargs = kwargs or {}
+    if id(func) in meta_.LONE_OPS and recorder.eager_lone:
+        result = recorder.at_once_if_lone(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
     form = _FAST.get(id(func), _UNSEEN)
     if form is _UNSEEN:
         form = _fast_form(func)
@@ -1461,6 +1462,54 @@ def _skip_dynamo_without_wrapper() -> None:
 
 
 _skip_dynamo_without_wrapper()
+
+
+def _static_key(a: Any, is_scalar_arg: bool) -> Any:
+    """The key part of a non-tensor argument: ``float`` (the type) for a runtime scalar."""
+    if type(a) is float and is_scalar_arg:
+        return float
+    if isinstance(a, float):
+        # key floats by their bits: -0.0 and nan must not collide
+        return (float, a.hex())
+    if type(a) is bool:
+        # True == 1 and hash alike, but promote differently
+        return (bool, a)
+    return a
+
+
+_NO_KEY = object()
+
+
+def _key_part(a: Any, is_scalar_arg: bool) -> Any:
+    if isinstance(a, torch.Tensor):
+        if a.is_conj() or a.is_neg():
+            return _NO_KEY
+        if type(a) is DeferredTensor:
+            return a._meta
+        return TensorMeta.of(a) if a.layout is torch.strided else _NO_KEY
+    if isinstance(a, (list, tuple)):
+        parts = tuple(_key_part(x, is_scalar_arg) for x in a)
+        return _NO_KEY if any(p is _NO_KEY for p in parts) else parts
+    return _static_key(a, is_scalar_arg)
+
+
+def _light_key(name: str, info: Any, args: tuple, kwargs: dict) -> Any:
+    """The meta-cache key ``convert`` would give a call, from its arguments' metadata alone
+    (None where only the full conversion can say: lazy-bit and non-strided tensors)."""
+    names, scalar_args = info.arg_names, info.scalar_args
+    parts = []
+    for i, a in enumerate(args):
+        part = _key_part(a, i < len(names) and names[i] in scalar_args)
+        if part is _NO_KEY:
+            return None
+        parts.append(part)
+    named = []
+    for n, a in kwargs.items():
+        part = _key_part(a, n in scalar_args)
+        if part is _NO_KEY:
+            return None
+        named.append((n, part))
+    return (name, (tuple(parts), tuple(named)))
 
 
 def _computed(args: tuple, kwargs: dict) -> bool:

@@ -565,10 +565,10 @@ def _learn_lone(nodes: list[Node]) -> None:
     may run it at once next time (eager_lone_ops)."""
     if not config.get("eager_lone_ops"):
         return
+    from ..capture import meta as meta_
     for node in nodes:
-        sites = getattr(node.lowering, "lone_sites", None)   # (the node's meta entry)
-        if sites is not None and node.source is not None:
-            sites.add(node.source)
+        if isinstance(node.lowering, meta_.MetaEntry) and node.source is not None:
+            meta_.mark_lone(node.lowering, node.op, node.source)   # (node.lowering: its entry)
 
 
 def _index_of(record: Any, group: Any) -> int:
