@@ -24,10 +24,11 @@ def _is_internal(code) -> bool:
     return internal
 
 
-def user_source() -> Optional[str]:
-    """file:line of the innermost frame outside deferfuse, torch and jax.  Called for every
-    recorded op, so whether a code object is internal is looked up, not worked out, each time."""
-    frame = sys._getframe(1)
+def _user_frame():
+    """The innermost frame outside deferfuse, torch and jax (None if there is none).  Called for
+    every recorded op, so whether a code object is internal is looked up, not worked out, each
+    time."""
+    frame = sys._getframe(2)
     known = _IS_INTERNAL
     while frame is not None:
         code = frame.f_code
@@ -35,10 +36,15 @@ def user_source() -> Optional[str]:
         if internal is None:
             internal = _is_internal(code)
         if not internal:
-            return f"{code.co_filename}:{frame.f_lineno}"
+            return frame
         frame = frame.f_back
     return None
 
+
+def user_source() -> Optional[str]:
+    """file:line of the innermost frame outside deferfuse, torch and jax."""
+    frame = _user_frame()
+    return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 class SourceLine:
@@ -71,18 +77,7 @@ class SourceLine:
 
 
 def user_line() -> Optional[SourceLine]:
-    """The place in the user's code that made the current call: the innermost frame outside
-    deferfuse, torch and jax.  Called for every recorded op, so whether a code object is
-    internal is looked up, not worked out, each time; the line number is worked out only when
-    the place is printed."""
-    frame = sys._getframe(1)
-    known = _IS_INTERNAL
-    while frame is not None:
-        code = frame.f_code
-        internal = known.get(code)
-        if internal is None:
-            internal = _is_internal(code)
-        if not internal:
-            return SourceLine(code, frame.f_lasti)
-        frame = frame.f_back
-    return None
+    """The place in the user's code that made the current call (the frame ``user_source``
+    names); its line number is worked out only when it is printed."""
+    frame = _user_frame()
+    return None if frame is None else SourceLine(frame.f_code, frame.f_lasti)
