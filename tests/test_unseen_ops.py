@@ -176,3 +176,17 @@ def test_settings_that_keep_lone_ops_recorded(settings, rows):
                             "eager_unseen_ops": False, "always_compile": False, **settings}):
         kinds = [_layer_norm_block(x, w, b)[2] for _ in range(3)]
     assert kinds == [DeferredTensor] * 3
+
+
+def test_first_sightings_are_remembered_within_a_bound(unseen_on, monkeypatch):
+    """A program whose shapes never repeat sights a new call every time: the memory of
+    sightings is bounded (forgetting only costs a place one more eager run)."""
+    from deferfuse.capture import meta
+    monkeypatch.setattr(meta, "_SIGHTED_LIMIT", 3)
+    monkeypatch.setattr(meta, "_SIGHTED", set())
+    for rows in range(101, 108):
+        x = torch.randn(rows, 2)
+        with deferfuse.defer():
+            y = x - 1.25
+        assert type(y) is torch.Tensor and len(meta._SIGHTED) <= 3
+        torch.testing.assert_close(y, x - 1.25, rtol=0, atol=0)

@@ -115,6 +115,7 @@ def cached(key: Any) -> Optional[MetaEntry]:
 
 
 _SIGHTED: set = set()   # (site, key) of calls run eagerly at their first sighting
+_SIGHTED_LIMIT = 1 << 16
 
 
 def first_sighting(key: Any, site: Any) -> bool:
@@ -127,6 +128,9 @@ def first_sighting(key: Any, site: Any) -> bool:
     sighting = (site, key)
     if sighting in _SIGHTED:
         return False
+    if len(_SIGHTED) >= _SIGHTED_LIMIT:
+        # (a program whose shapes never repeat: forgetting costs each place one more eager run)
+        _SIGHTED.clear()
     _SIGHTED.add(sighting)
     return True
 
