@@ -94,8 +94,10 @@ def show(spec: Spec, title: str, formula: str, probe: DeferProbe) -> bool:
     if defer.median_ms is None:
         print(f"    defer {defer.status}: {defer.reason}")
         return False
-    first = f"    first defer call {defer.first_ms:.0f} ms: a new graph, "
-    first += _plural(warm_up.get("compiles"), "compile")
+    first = f"    first defer call {defer.first_ms:.0f} ms"
+    if warm_up.get("unseen_ops_run"):
+        first += f" ({_plural(warm_up['unseen_ops_run'], 'op')} seen for the first time ran at once)"
+    first += ": then a new graph, " + _plural(warm_up.get("compiles"), "compile")
     if warm_up.get("eager_replays"):
         first += (f"; the first {_plural(warm_up['eager_replays'], 'run')} replayed eagerly "
                   f"while XLA compiled")
