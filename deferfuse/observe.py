@@ -13,6 +13,7 @@ import logging
 from typing import Any, Optional
 
 from . import config
+from .stats import STATS
 from .ir import graph
 
 log = logging.getLogger("deferfuse")
@@ -116,9 +117,15 @@ def explain(last: Optional[int] = None) -> str:
     records = list(_HISTORY)
     if last is not None:
         records = records[-last:]
-    if not records:
-        return "deferfuse: no flushes yet"
-    return "\n".join(r.describe() for r in records)
+    text = "\n".join(r.describe() for r in records) if records else "deferfuse: no flushes yet"
+    at_once = STATS.unseen_ops_run + STATS.lone_ops_run
+    if at_once:
+        # (ops that never reached a graph: without this line a one-off script looks unfused)
+        text += (f"\n{at_once} op(s) ran at once on torch's kernels since the last reset_stats(): "
+                 f"{STATS.unseen_ops_run} seen for the first time at their place in the code "
+                 f"(eager_unseen_ops), {STATS.lone_ops_run} where their flushes were lone "
+                 f"(eager_lone_ops)")
+    return text
 
 
 def plan_dot(record_number: Optional[int] = None) -> str:

@@ -190,3 +190,13 @@ def test_first_sightings_are_remembered_within_a_bound(unseen_on, monkeypatch):
             y = x - 1.25
         assert type(y) is torch.Tensor and len(meta._SIGHTED) <= 3
         torch.testing.assert_close(y, x - 1.25, rtol=0, atol=0)
+
+
+def test_explain_says_how_many_ops_ran_at_once(unseen_on):
+    x = torch.randn(109, 2)
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        y = x * 3.5
+    text = deferfuse.explain()
+    assert "1 op(s) ran at once" in text and "1 seen for the first time" in text, text
+    torch.testing.assert_close(y, x * 3.5, rtol=0, atol=0)
