@@ -200,3 +200,27 @@ def test_explain_says_how_many_ops_ran_at_once(unseen_on):
     text = deferfuse.explain()
     assert "1 op(s) ran at once" in text and "1 seen for the first time" in text, text
     torch.testing.assert_close(y, x * 3.5, rtol=0, atol=0)
+
+
+def test_a_long_block_keeps_a_bounded_watch_on_results_run_at_once(lone_on, monkeypatch):
+    """A block that runs a lone op at once on every iteration of a long loop watches a bounded
+    number of its results for consumers."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from deferfuse.capture import recorder
+    monkeypatch.setattr(recorder, "_AT_ONCE_LIMIT", 8)
+    x, w, b = torch.randn(97, 4), torch.randn(4), torch.randn(4)
+
+    def norm():
+        return torch.nn.functional.layer_norm(x, (4,), w, b)
+
+    with deferfuse.defer():
+        first = norm()                           # recorded; flushed alone at the exit
+    kept, watched = [], []
+    with deferfuse.defer():
+        watcher = _get_current_dispatch_mode().recorder
+        for _ in range(40):
+            kept.append(norm())                  # at once: learned lone
+            watched.append(len(watcher.at_once))
+    assert type(first) is DeferredTensor and all(type(y) is torch.Tensor for y in kept)
+    assert max(watched) <= 8 * 3, watched        # (three results per layer norm call)
+    torch.testing.assert_close(kept[-1], torch.nn.functional.layer_norm(x, (4,), w, b), rtol=0, atol=0)

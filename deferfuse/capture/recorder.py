@@ -71,6 +71,7 @@ def no_dispatch():
 _BUFFERS: dict[int, tuple] = {}
 
 _PLAIN_CACHE_SIZE = 4096   # plain tensors a context remembers (Recorder._real) before starting over
+_AT_ONCE_LIMIT = 4096   # results of ops run at once that a context watches for consumers
 
 
 def _flat_buffer(t: torch.Tensor, ptr: int, numel: int) -> torch.Tensor:
@@ -545,8 +546,14 @@ class Recorder:
         STATS.lone_ops_run += 1
         real_args, real_kwargs = self.realize((args, kwargs), FlushReason.FALLBACK)
         out = func(*real_args, **real_kwargs)
+        at_once = self.at_once
+        if len(at_once) >= _AT_ONCE_LIMIT:
+            # (a long block running such an op every iteration: keep the live results only,
+            # and forget them all if they are live too; that only delays an unmarking)
+            live = {k: v for k, v in at_once.items() if v[0]() is not None}
+            self.at_once = at_once = live if len(live) < _AT_ONCE_LIMIT // 2 else {}
         for t in _tensors_in(out):
-            self.at_once[id(t)] = (weakref.ref(t), entry, site)
+            at_once[id(t)] = (weakref.ref(t), entry, site)
         return out
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
