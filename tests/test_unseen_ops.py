@@ -224,3 +224,18 @@ def test_a_long_block_keeps_a_bounded_watch_on_results_run_at_once(lone_on, monk
     assert type(first) is DeferredTensor and all(type(y) is torch.Tensor for y in kept)
     assert max(watched) <= 8 * 3, watched        # (three results per layer norm call)
     torch.testing.assert_close(kept[-1], torch.nn.functional.layer_norm(x, (4,), w, b), rtol=0, atol=0)
+
+
+def test_a_view_of_a_result_run_at_once_makes_its_place_record_again(lone_on):
+    x, w, b = torch.randn(103, 8), torch.randn(8), torch.randn(8)
+    expected = torch.nn.functional.layer_norm(x, (8,), w, b)
+    kinds = []
+    for reshape in (False, False, True, False):
+        with deferfuse.defer():
+            y = torch.nn.functional.layer_norm(x, (8,), w, b)
+            kinds.append(type(y))
+            z = y.view(-1).mul(2.0) if reshape else None
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        if reshape:
+            torch.testing.assert_close(z, expected.view(-1) * 2.0, rtol=0, atol=0)
+    assert kinds == [DeferredTensor, torch.Tensor, torch.Tensor, DeferredTensor]

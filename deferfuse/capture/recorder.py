@@ -195,11 +195,7 @@ class Recorder:
         every use against the tensor's memory and layout, which code we do not see can change
         (``p.data = q``); changes we do see clear the memory of them (``_forget_plain``)."""
         if self.at_once:
-            ran = self.at_once.pop(id(t), None)
-            if ran is not None and ran[0]() is t:
-                # an op run at once because its flushes were lone feeds a recorded op: at
-                # that place it may fuse again, so record it there next time
-                ran[1].lone_sites.discard(ran[2])
+            self._unmark_lone(t)
         cached = self.plain.get(id(t))
         if cached is not None and cached[0]() is t:
             m = cached[2]
@@ -216,6 +212,14 @@ class Recorder:
         """Plain tensors' metadata or storages may have changed (an in-place view op, a resize,
         an op run eagerly): look them up again."""
         self.plain.clear()
+
+    def _unmark_lone(self, t: torch.Tensor) -> None:
+        """``t``, a result of an op run at once because its flushes were lone, feeds a recorded
+        op (or a view that may): at that place the op may fuse again, so record it there next
+        time."""
+        ran = self.at_once.pop(id(t), None)
+        if ran is not None and ran[0]() is t:
+            ran[1].lone_sites.discard(ran[2])
 
     def state_of_real(self, t: torch.Tensor) -> StorageState:
         if t.layout is not torch.strided:
@@ -589,6 +593,8 @@ class Recorder:
             # A view of a plain tensor is metadata only: make the real view now.  Its reads and
             # writes still go through the storage's state, and code that reads memory directly
             # (numpy(), C extensions) gets a real tensor rather than a data-less wrapper.
+            if self.at_once:
+                self._unmark_lone(base)
             return func(*args, **kwargs)
         if func in _LAZY_BIT_VIEWS:
             if not isinstance(base, DeferredTensor):
