@@ -239,3 +239,17 @@ def test_a_view_of_a_result_run_at_once_makes_its_place_record_again(lone_on):
         if reshape:
             torch.testing.assert_close(z, expected.view(-1) * 2.0, rtol=0, atol=0)
     assert kinds == [DeferredTensor, torch.Tensor, torch.Tensor, DeferredTensor]
+
+
+def test_code_compiled_again_from_the_same_source_is_the_same_place(unseen_on):
+    """A notebook cell run again is new code from the same text: its ops are not first
+    sightings any more (a loop-free cell would otherwise run at once forever)."""
+    x = torch.randn(113, 2)
+    source = "with deferfuse.defer():\n    y = x / 1.75\n"
+    kinds = []
+    for _ in range(3):
+        namespace = {"deferfuse": deferfuse, "x": x}
+        exec(compile(source, "<cell-113>", "exec"), namespace)
+        kinds.append(type(namespace["y"]))
+        torch.testing.assert_close(namespace["y"], x / 1.75, rtol=0, atol=0)
+    assert kinds == [torch.Tensor, DeferredTensor, DeferredTensor]

@@ -49,7 +49,10 @@ def user_source() -> Optional[str]:
 
 class SourceLine:
     """A place in the user's code: a code object and a bytecode offset (two calls on one line
-    are two places).  Cheap to take on every recorded op; ``str()`` gives "file:line"."""
+    are two places).  Cheap to take on every recorded op; ``str()`` gives "file:line".
+
+    Places compare by file, function and offset, not by code object: code compiled again from
+    the same source (a notebook cell run again, ``exec`` of the same text) is the same place."""
 
     __slots__ = ("code", "lasti")
 
@@ -58,10 +61,15 @@ class SourceLine:
         self.lasti = lasti
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is SourceLine and other.code is self.code and other.lasti == self.lasti
+        if type(other) is not SourceLine or other.lasti != self.lasti:
+            return False
+        a, b = self.code, other.code
+        return a is b or (a.co_filename == b.co_filename and a.co_firstlineno == b.co_firstlineno
+                          and a.co_qualname == b.co_qualname and a.co_code == b.co_code)
 
     def __hash__(self) -> int:
-        return hash((id(self.code), self.lasti))
+        code = self.code
+        return hash((code.co_filename, code.co_firstlineno, self.lasti))
 
     @property
     def line(self) -> Optional[int]:
