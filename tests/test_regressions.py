@@ -360,3 +360,20 @@ def test_an_inplace_update_loop_leaves_no_cyclic_garbage(always_compile):
     assert not ours, f"{len(ours)} graph objects were left in reference cycles, e.g. {ours[:3]}"
     for got, want in zip(params + moments, expected[0] + expected[1]):
         torch.testing.assert_close(got, want)
+
+
+def test_xla_does_not_fold_log_of_exp_or_sqrt_of_a_square():
+    """XLA's algebraic simplifier rewrites log(exp(a)) -> a and sqrt(a * a) -> |a| as if floats
+    could not overflow: exp(100.0) is inf in float32, so torch's log of it is inf, not 100.
+    Found by the deep program suite (log of exp of an int64 tensor holding 100)."""
+    x = torch.tensor([100.0, 1.0, -50.0, 3e38, -2.0])
+    ints = torch.tensor([[100, 38, 70], [-7, 18, -50]])
+
+    def program(x, ints):
+        return [torch.log(torch.exp(x)), torch.log2(torch.exp(x)), torch.log10(torch.exp(x)),
+                torch.sqrt(x * x), torch.rsqrt(x * x), torch.log(torch.exp(ints))]
+
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        deferred = program(x, ints)
+    for got, want in zip(deferred, program(x, ints)):
+        torch.testing.assert_close(got, want, equal_nan=True)

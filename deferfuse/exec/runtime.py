@@ -33,6 +33,7 @@ from .._lazy import lazy_import
 
 jax = lazy_import("jax", globals(), "jax")
 jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 log = logging.getLogger("deferfuse")
 
@@ -55,6 +56,31 @@ class Step:
         self.outs, self.out_metas, self.source, self.op = outs, out_metas, source, op
 
 
+_aten = torch.ops.aten
+# XLA's algebraic simplifier rewrites some compositions as if floats could not overflow:
+# log(exp(a)) -> a and sqrt(a * a) -> |a| (exp(100.0) is inf in float32, so torch's log of it
+# is inf, not 100).  Where a consumer of these kinds reads a producer of these kinds, the value
+# passes through an optimization barrier, which the simplifier cannot see through (the producer
+# is then materialized instead of fused, only on such edges).
+_LOG_OPS = frozenset({_aten.log.default, _aten.log2.default, _aten.log10.default})
+_SQRT_OPS = frozenset({_aten.sqrt.default, _aten.rsqrt.default})
+
+
+def _unsafe_rewrite(consumer: Any, producer: Optional["Step"]) -> bool:
+    """Whether XLA would rewrite ``consumer(producer(...))`` unsafely (see above)."""
+    if producer is None:
+        return False
+    if consumer in _LOG_OPS:
+        return producer.op is _aten.exp.default
+    if consumer in _SQRT_OPS:
+        # a * a with both operands the same value (x ** 2 is computed otherwise: pow lowering)
+        return producer.op is _aten.mul.Tensor and len(producer.args) == 2 \
+            and isinstance(producer.args[0], _Ref) and isinstance(producer.args[1], _Ref) \
+            and producer.args[0].kind == producer.args[1].kind == "v" \
+            and producer.args[0].index == producer.args[1].index
+    return False
+
+
 class Program:
     """A subgraph with value identities replaced by local ids: what gets compiled."""
 
@@ -67,18 +93,25 @@ class Program:
 
     def __call__(self, inputs: Sequence[jax.Array], scalars: jax.Array) -> tuple[list[jax.Array], jax.Array, jax.Array]:
         env: list[Any] = list(inputs)
+        producers: list[Optional[Step]] = [None] * len(env)   # the step that made each value
         flags: list[Any] = []
         values: list[Any] = []
         self.checks = []
+        consumer: Any = None
 
         def resolve(a: Any) -> Any:
             if isinstance(a, _Ref):
-                return env[a.index] if a.kind == "v" else scalars[a.index]
+                if a.kind != "v":
+                    return scalars[a.index]
+                if _unsafe_rewrite(consumer, producers[a.index]):
+                    return lax.optimization_barrier(env[a.index])
+                return env[a.index]
             if type(a) in (list, tuple):
                 return type(a)(resolve(x) for x in a)
             return a
 
         for position, step in enumerate(self.steps):
+            consumer = step.op
             collector = CheckCollector(step.op)
             _CHECK_COLLECTORS.append(collector)
             try:
@@ -101,6 +134,7 @@ class Program:
                     raise LoweringError(f"lowering {step.op} gave shape {tuple(arr.shape)}, torch gives "
                                         f"{meta.shape}{_at(step.source)}")
                 env.append(arr)
+                producers.append(step)
                 assert len(env) - 1 == local_id
         failed = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
         details = jnp.stack(values) if values else jnp.zeros((0,), jnp.int64)
