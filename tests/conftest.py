@@ -20,7 +20,7 @@ os.environ.setdefault("DEFERFUSE_EAGER_LONE_OPS", "0")
 
 # Hypothesis profiles: ``default`` (the normal run, well under a few minutes on 2 cores) and
 # ``deep`` (``HYPOTHESIS_PROFILE=deep``, as ``make test-deep`` does).  The program suite in
-# test_programs.py has five generating tests: 5 x 70 = 350 programs by default, 5 x 1100 deep.
+# test_programs.py has six generating tests: 6 x 70 = 420 programs by default, 6 x 1100 deep.
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(

@@ -14,7 +14,9 @@ Programs are generated step by step against meta tensors (program_gen.py), so ea
 knowing the shapes and dtypes of what exists.  A program prints as the Python it runs, and a
 failure prints a standalone reproduction with literal inputs.
 
-Profiles (tests/conftest.py): ``default`` runs 5 x 70 programs, ``HYPOTHESIS_PROFILE=deep`` 5 x 1100.
+Profiles (tests/conftest.py): ``default`` runs 6 x 70 programs, ``HYPOTHESIS_PROFILE=deep`` 6 x 1100.
+One of the six (``test_mixed_programs_through_the_tiers``) runs each program three times with the
+default tiers instead of ``always_compile``: ops at once, an eager replay, a compiled run.
 With ``DEFERFUSE_PROGRAM_LOG=path`` each program's reproduction is written there before its defer
 run, so a crash that takes the process down (a segfault inside XLA) leaves its program behind
 (``{worker}`` in the path becomes the pytest-xdist worker's name).
