@@ -144,11 +144,18 @@ def _setting(name: str) -> Setting:
 
 
 def get(name: str) -> Any:
-    for layer in reversed(_state.overrides):
-        if name in layer:
-            return layer[name]
-    _setting(name)
-    return _global_values[name]
+    # (read several times per flush and per recorded op: the common case, no override, is one
+    # dictionary lookup)
+    overrides = _state.overrides
+    if overrides:
+        for layer in reversed(overrides):
+            if name in layer:
+                return layer[name]
+    try:
+        return _global_values[name]
+    except KeyError:
+        _setting(name)   # raises the helpful error
+        raise
 
 
 def _checked(name: str, value: Any) -> Any:
