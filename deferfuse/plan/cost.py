@@ -86,6 +86,17 @@ def flops(node: Node) -> Optional[float]:
     return estimate(node) if estimate is not None else None
 
 
+def bounds(nodes: list[Node]) -> dict[int, Bound]:
+    """Node id -> bound of each of ``nodes``.  Only ops with a FLOP count can be compute-bound,
+    so the others (most of any graph) are not looked at one by one: this runs on every flush."""
+    found = dict.fromkeys((n.id for n in nodes), Bound.MEMORY)
+    counted = _FLOPS_BY_ID
+    for n in nodes:
+        if id(n.op) in counted:
+            found[n.id] = bound(n)
+    return found
+
+
 def machine_balance() -> float:
     """FLOPs the machine can do per byte it moves from memory."""
     return config.get("peak_gflops") / config.get("memory_bandwidth_gbs")

@@ -82,12 +82,12 @@ def split_reason(group: Group, engine: Engine) -> Optional[SplitReason]:
 def partition(nodes: list[Node], outputs: list[Value]) -> Plan:
     if not config.get("always_compile") and config.get("lone_op_on_torch") and is_lone_op(nodes):
         group = Group(0, Engine.TORCH, list(nodes), SplitReason.LONE_OP, list(outputs))
-        return Plan([group], {n.id: cost.bound(n) for n in nodes})
+        return Plan([group], cost.bounds(nodes))
     if config.get("always_compile") or (config.get("compute_engine") == "xla" and config.get("fusion_fuel") < 0):
         # Every node is placed on XLA and may fuse with every other: one group, which is convex
         # by construction.  This is the common case, so it skips the walk.
         group = Group(0, Engine.XLA, list(nodes), SplitReason.FIRST, list(outputs))
-        return Plan([group], {n.id: cost.bound(n) for n in nodes})
+        return Plan([group], cost.bounds(nodes))
     group_of: dict[int, Group] = {}
     # transitive closure of group dependencies, to keep groups convex
     depends_on: dict[int, set[int]] = {}
