@@ -69,10 +69,14 @@ def test_matmul_between_chains_on_torch_engine_splits_in_three():
 
 def test_matmul_on_xla_fuses_with_neighbours():
     a, w = torch.randn(32, 64), torch.randn(64, 16)
-    with deferfuse.defer():
-        out = ((a * 2 + 1) @ w) * 0.5 + 3
-        deferfuse.sync(out)
-    assert len(_last_record().groups) == 1
+    with deferfuse.config.override(peak_gflops=0.001):
+        with deferfuse.defer():
+            out = ((a * 2 + 1) @ w) * 0.5 + 3
+            deferfuse.sync(out)
+    (group,) = _last_record().groups
+    # the one-group plan still classifies each op (explain() and the DOT dump show it)
+    assert group.bounds[group.ops.index("mm")] == "compute-bound", observe.explain()
+    assert group.bounds.count("memory-bound") == len(group.ops) - 1
 
 
 def test_fusion_fuel_limits_merges():
@@ -122,6 +126,27 @@ def test_stablehlo_text_parses():
     with mlir.make_ir_context():
         module = ir.Module.parse(text)
     assert module is not None
+
+
+def test_a_computation_without_runtime_checks_returns_only_its_outputs():
+    x, index = torch.randn(8), torch.tensor([1, 7])
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            y = x * 2 + 1
+            deferfuse.sync(y)
+        plain = deferfuse.stablehlo(0)
+        with deferfuse.defer():
+            z = torch.index_select(x * 2, 0, index)
+            deferfuse.sync(z)
+        checked = deferfuse.stablehlo(0)
+    # (the result list of the entry function: one tensor, then the index check's flag and value)
+    main = lambda text: next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert main(plain).count("jax.result_info") == 1, main(plain)
+    assert main(checked).count("jax.result_info") == 3, main(checked)
+    torch.testing.assert_close(z, (x * 2)[index])
+    with pytest.raises(IndexError):
+        with deferfuse.config.override(always_compile=True), deferfuse.defer():
+            deferfuse.sync(torch.index_select(x * 2, 0, torch.tensor([8])))
 
 
 @pytest.mark.parametrize("program", [

@@ -136,9 +136,11 @@ class Program:
                 env.append(arr)
                 producers.append(step)
                 assert len(env) - 1 == local_id
-        failed = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
-        details = jnp.stack(values) if values else jnp.zeros((0,), jnp.int64)
-        return [env[i] for i in self.outputs], failed, details
+        outputs = [env[i] for i in self.outputs]
+        if not flags:
+            # (no check: no empty flag arrays either, each an output buffer on every call)
+            return outputs, None, None
+        return outputs, jnp.stack(flags), jnp.stack(values)
 
 
 def _at(source: Any) -> str:
