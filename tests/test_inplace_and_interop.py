@@ -203,3 +203,29 @@ def test_assigning_data_of_a_deferred_tensor_says_what_to_do():
 ])
 def test_masked_fill_checks_its_mask_against_the_target_as_torch_does(program):
     check(program, torch.tensor([[True, False], [False, True]]), torch.arange(4.0).reshape(2, 2))
+
+
+def test_a_flush_reading_memory_it_writes_back_does_not_flush_again_inside_itself(monkeypatch):
+    """A flush runs with Python dispatch off; its own reads of user memory (the DLPack import of
+    a parameter whose new contents are pending) must not trigger the plain-read write-back, which
+    would start a flush inside the flush."""
+    from deferfuse.capture import recorder as recorder_module
+    p = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    before = p.clone()
+    started = []
+    original = recorder_module.materialize_states
+
+    def counted(*args, **kwargs):
+        started.append(len(started))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(recorder_module, "materialize_states", counted)
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            old = p * 2            # reads p before the write below
+            p.add_(1.0)
+            deferfuse.sync(old)
+    torch.testing.assert_close(old, before * 2)
+    torch.testing.assert_close(p, before + 1.0)
+    # deferfuse.sync's flush, and the block's flush of what was left: none nested
+    assert len(started) <= 2, started
