@@ -47,7 +47,9 @@ def _direct_crossings():
                 return _jax.dlpack_managed_tensor_to_buffer(t.__dlpack__(), device, None, None, cpu)
 
             def export(a) -> torch.Tensor:
-                return torch.from_dlpack(_jax.buffer_to_dlpack_managed_tensor(a, stream=None))
+                # (torch.from_dlpack of a capsule only forwards it to this, after a failed
+                # attribute lookup)
+                return torch._C._from_dlpack(_jax.buffer_to_dlpack_managed_tensor(a, stream=None))
             probe = torch.arange(4, dtype=torch.float32)
             imported = import_(probe)
             back = export(imported)
