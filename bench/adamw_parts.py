@@ -2,12 +2,13 @@
 
     python -m bench.adamw_parts              # 50 tensors of 64x1024, 30 timed steps
     python -m bench.adamw_parts --count 10
+    python -m bench.adamw_parts --write-back-both   # steps alternate memmove and torch copy_
 
 The same hand-written AdamW as ``make bench`` (bench.workloads.adamw_step), one step per defer
 block.  For each step it measures, with wall-clock time: the strict step; recording (the body of
 the block); the flush (leaving the block); inside the flush's XLA call, importing the inputs by
 DLPack, running the executable until its results are ready, and exporting the results; the
-write-back copies into the user's tensors (the flush's ``copy_`` calls).  It also counts minor
+write-back copies into the user's tensors (the flush's ``_write_back`` calls).  It also counts minor
 page faults per step (``getrusage``: fresh memory touched for the first time) and the resident
 memory after every step, which shows a leak as growth.  Medians over the timed steps; the
 machine is noisy, so compare the parts of one run.
@@ -25,6 +26,7 @@ import torch
 
 import deferfuse
 from bench.workloads import adamw_spec
+from deferfuse.capture import recorder as recorder_module
 from deferfuse.exec import interop, runtime
 
 
@@ -59,7 +61,7 @@ def _instrumented(parts: dict[str, _Timer]):
     and the flush's write-back copies."""
     to_jax, to_torch, lookup = interop.to_jax, interop.to_torch, runtime.lookup
     block = runtime.jax.block_until_ready
-    copy = torch.Tensor.copy_
+    write_back = recorder_module._write_back
     run = parts["run executable"]
 
     def timed_lookup(*args, **kwargs):
@@ -73,13 +75,13 @@ def _instrumented(parts: dict[str, _Timer]):
     interop.to_torch = parts["export results (DLPack)"].wrap(to_torch)
     runtime.lookup = timed_lookup
     runtime.jax.block_until_ready = run.wrap(block)
-    torch.Tensor.copy_ = parts["write-back copies"].wrap(copy)
+    recorder_module._write_back = parts["write-back copies"].wrap(write_back)
     try:
         yield
     finally:
         interop.to_jax, interop.to_torch, runtime.lookup = to_jax, to_torch, lookup
         runtime.jax.block_until_ready = block
-        torch.Tensor.copy_ = copy
+        recorder_module._write_back = write_back
 
 
 def main() -> None:
@@ -87,7 +89,11 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=50, help="parameter tensors (default 50)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    parser.add_argument("--write-back-both", action="store_true",
+                        help="alternate steps between the write-back as one memmove per tensor "
+                             "(deferfuse's default up to 8 MB) and torch's copy_, and show both")
     options = parser.parse_args()
+    memmove_bytes = recorder_module._MEMMOVE_BYTES
 
     spec = adamw_spec(count=options.count)
     strict_inputs, defer_inputs = spec.make_inputs(), spec.make_inputs()
@@ -104,6 +110,8 @@ def main() -> None:
         spec.torch_fn(*strict_inputs)
         strict = time.perf_counter() - started
         faults = _faults()
+        by_copy = options.write_back_both and step % 2 == 1
+        recorder_module._MEMMOVE_BYTES = -1 if by_copy else memmove_bytes
         started = time.perf_counter()
         instrument = _instrumented(parts)
         with deferfuse.defer():
@@ -116,7 +124,10 @@ def main() -> None:
             continue
         measured = {"strict step": strict, "defer: recording": recorded - started,
                     "defer: flush (leaving the block)": flushed - recorded}
-        measured.update({f"  flush: {name}": t.seconds for name, t in parts.items()})
+        suffix = (" (torch copy_)" if by_copy else " (memmove)") if options.write_back_both else ""
+        measured["defer: flush (leaving the block)" + suffix] = measured.pop("defer: flush (leaving the block)")
+        measured.update({f"  flush: {name}" + (suffix if name == "write-back copies" else ""): t.seconds
+                         for name, t in parts.items()})
         for name, seconds in measured.items():
             rows.setdefault(name, []).append(seconds * 1e3)
         rows.setdefault("page faults per defer step", []).append(_faults() - faults)

@@ -229,3 +229,34 @@ def test_a_flush_reading_memory_it_writes_back_does_not_flush_again_inside_itsel
     torch.testing.assert_close(p, before + 1.0)
     # deferfuse.sync's flush, and the block's flush of what was left: none nested
     assert len(started) <= 2, started
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
+def test_write_back_into_user_memory_matches_copy(monkeypatch, dtype):
+    """The write-back of computed contents: one memmove for contiguous memory of the same dtype
+    up to a size, torch's copy_ otherwise (strided sources, larger tensors)."""
+    from deferfuse.capture import recorder as recorder_module
+    g = torch.Generator().manual_seed(3)
+    source = (torch.randn(64, generator=g) * 4).to(dtype)
+    for flat in (source, source[::2], source[:32]):      # contiguous, strided, (sizes match below)
+        target = torch.zeros(flat.numel(), dtype=dtype)
+        pointer = target.data_ptr()
+        recorder_module._write_back(target, flat)
+        assert torch.equal(target, flat) and target.data_ptr() == pointer
+    monkeypatch.setattr(recorder_module, "_MEMMOVE_BYTES", 8)   # a larger tensor: copy_
+    target = torch.zeros(64, dtype=dtype)
+    recorder_module._write_back(target, source)
+    assert torch.equal(target, source)
+
+
+def test_an_update_written_back_is_seen_through_every_view_and_keeps_the_storage():
+    p = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
+    row, column = p[1], p[:, 3]
+    pointer, expected = p.data_ptr(), p * 0.5 + 1
+    with deferfuse.config.override(always_compile=True):
+        with deferfuse.defer():
+            p.mul_(0.5).add_(1)
+    torch.testing.assert_close(p, expected)
+    torch.testing.assert_close(row, expected[1])
+    torch.testing.assert_close(column, expected[:, 3])
+    assert p.data_ptr() == pointer
