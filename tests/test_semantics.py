@@ -292,3 +292,33 @@ def test_inplace_errors_torch_kernels_raise(program):
     """Regression (found by the program suite): partial overlap between the written tensor and an
     input, and an in-place result that would need a resize, raise as strict does."""
     check(program, torch.tensor([4.0, 5.0, 6.0]))
+
+
+@pytest.mark.parametrize("tier", ["eager replay", "xla"])
+def test_a_value_error_at_the_flush_names_the_line_that_recorded_the_op(tier):
+    """An out-of-range index is found when the flush runs: in a compiled run by an in-graph
+    check, in an eager replay (a graph's first run) by torch's kernel. Either way the error
+    is the type strict raises, and names the line that recorded the op."""
+    x, index = torch.arange(3.0), torch.tensor([5])
+    settings = dict(always_compile=True) if tier == "xla" else dict(always_compile=False, eager_first_runs=1)
+    deferfuse.reset_stats()
+    with deferfuse.config.override(**settings):
+        with pytest.raises(IndexError, match=r"out of bounds.*\(recorded at .*test_semantics.py:\d+\)"):
+            with deferfuse.defer():
+                y = x[index] * 2
+    stats = deferfuse.stats()
+    assert (stats["executions"], stats["compiles"]) == ((0, 0) if tier == "eager replay" else (1, 1)), stats
+
+
+def test_an_error_type_with_its_own_constructor_gets_the_line_as_a_note():
+    from deferfuse.exec.runtime import _naming_source
+
+    class TwoArgumentError(RuntimeError):
+        def __init__(self, what, where):
+            super().__init__(f"{what} at {where}")
+
+    original = TwoArgumentError("bad value", "kernel")
+    named = _naming_source(original, "user.py:3")
+    assert named is original and "recorded at user.py:3" in original.__notes__
+    plain = _naming_source(ValueError("bad value"), "user.py:4")
+    assert type(plain) is ValueError and str(plain) == "bad value (recorded at user.py:4)"

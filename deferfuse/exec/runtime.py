@@ -476,6 +476,24 @@ def _raise_failed_checks(failed: np.ndarray, details: np.ndarray, checks: list[t
             raise error(f"{message.replace('{value}', str(int(value)))}{_at(nodes[position].source)}")
 
 
+def _naming_source(exc: Exception, source: Any) -> Exception:
+    """``exc``, raised by torch's kernel while a flush replays an op, naming the line that
+    recorded the op as a compiled run's checks do (the error surfaces at the flush, not on that
+    line).  The same type with the longer message, or where the type takes other arguments,
+    ``exc`` itself with the line as a note."""
+    if not source:
+        return exc
+    try:
+        named = type(exc)(f"{exc}{_at(source)}")
+    except Exception:  # noqa: BLE001 - an exception type with its own constructor
+        named = None
+    if type(named) is not type(exc) or str(named) != f"{exc}{_at(source)}":
+        exc.add_note(f"recorded at {source}")
+        return exc
+    named.__traceback__ = exc.__traceback__
+    return named
+
+
 def _eager_args(a: Any) -> Any:
     if isinstance(a, Value):
         return a.result
@@ -538,7 +556,10 @@ def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -
         if isinstance(node.op, graph.InternalOp):
             out = _eager_internal(node, args)
         else:
-            out = node.op(*args, **kwargs)
+            try:
+                out = node.op(*args, **kwargs)
+            except Exception as exc:
+                raise _naming_source(exc, node.source) from None
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for v, t in zip(node.outputs, outs):
             if v is not None:
