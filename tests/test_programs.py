@@ -229,6 +229,18 @@ def compare(expected: Outcome, actual: Outcome, nudged: list[Outcome] = ()) -> l
     return [p for p in problems if p]
 
 
+def _raised_at_the_flush(expected: Outcome, exc: Exception) -> bool:
+    """docs/semantics.md: an error whose cause is a value (an index out of range: a fuzzed
+    operand can be one) is raised when the flush runs, naming the line that recorded the op,
+    not on that line.  Strict raised an error of that type at one of the steps; the values
+    are not compared (defer ran the steps after it and wrote nothing back)."""
+    if expected.error is None or not isinstance(exc, expected.error[1]) or "(recorded at " not in str(exc):
+        return False
+    if currently_in_test_context():
+        event(f"a value error raised at the flush ({type(exc).__name__})")
+    return True
+
+
 def check_program(program: Program, tiered_runs: int = 0) -> None:
     """Run `program` under strict and under defer and require the same observable outcome
     (``tiered_runs``: run it that many times under the default tiers instead, each compared)."""
@@ -237,7 +249,12 @@ def check_program(program: Program, tiered_runs: int = 0) -> None:
         event(f"strict raised {expected.error[1].__name__}" if expected.error else "strict ran to the end")
     nudged = [execute(program, noise=direction) for direction in (1, -1)]
     for run in range(tiered_runs):
-        actual = execute(program, defer=True, tiered=True)
+        try:
+            actual = execute(program, defer=True, tiered=True)
+        except Exception as exc:
+            if _raised_at_the_flush(expected, exc):
+                return
+            raise
         problems = compare(expected, actual, nudged)
         if problems:
             raise AssertionError(f"defer differs from strict in tiered run {run + 1}:\n"
@@ -254,6 +271,8 @@ def check_program(program: Program, tiered_runs: int = 0) -> None:
         actual = execute(program, defer=True)
         problems = compare(expected, actual, nudged)
     except Exception as exc:
+        if _raised_at_the_flush(expected, exc):
+            return
         raise AssertionError(f"defer run failed outside a step: {type(exc).__name__}: {exc}\n\n"
                              f"repro:\n{program.repro()}") from exc
     if problems:
@@ -322,6 +341,21 @@ def test_tiered_runs_go_through_every_tier() -> None:
         seen.append((stats["unseen_ops_run"] > 0, stats["eager_replays"] > 0, stats["executions"] > 0))
     # (the first run's mul_ is recorded, in place ops never run at once, and replays eagerly)
     assert seen == [(True, True, False), (False, True, False), (False, False, True)], seen
+
+
+def test_a_value_error_raised_at_the_flush_is_what_strict_raised() -> None:
+    """Found by the deep suite: a fuzzed operand made ``v0[v0]`` an int64 index out of range.
+    Strict raises on that line, defer when the block's flush runs (docs/semantics.md); the
+    oracle accepts that, and only for the exception type strict raised."""
+    program = Program(inputs=(InputSpec((1,), torch.int64, "contiguous", "int", 0),),
+                      steps=(Step("masked_read", (0, 0), out=1),))
+    assert execute(program).error[1] is IndexError
+    with pytest.raises(IndexError, match=r"\(recorded at "):
+        execute(program, defer=True)
+    check_program(program)
+    check_program(program, tiered_runs=2)
+    wrong_type = Outcome({}, [], [], (0, KeyError, ""))
+    assert not _raised_at_the_flush(wrong_type, IndexError("index 4 is out of bounds (recorded at x:1)"))
 
 
 def test_every_op_is_in_some_family() -> None:
