@@ -20,6 +20,9 @@ from oracle import check
     lambda x, y, i: x.add_(y[0], alpha=-0.5),                # broadcast, runtime scalar
     lambda x, y, i: x.addcmul_(y, y, value=0.25).sqrt_(),    # chained on the returned self
     lambda x, y, i: x[1:].add_(x[:-1]),                      # partial overlap: strict raises
+    lambda x, y, i: (lambda z: z[1:].add_(z[:-1]))(x * 2),    # the same on a pending result
+    lambda x, y, i: (lambda z: z[1:].add_(y[:-1]))(x * 2),    # pending target, other memory
+    lambda x, y, i: x.add_(y, alpha=2).mul_(i.float()),       # several other tensors, no overlap
     lambda x, y, i: x.add_(x),                               # full overlap is fine
     lambda x, y, i: x.t().mul_(2),                           # a view as the target
     lambda x, y, i: x[0].mul_(y),                            # broadcast into a smaller self: raises

@@ -445,7 +445,7 @@ class Recorder:
             if entry is None or entry.lowering is None or len(entry.tensor_outs) != 1:
                 return NotImplemented
             out = entry.tensor_outs[0]
-            if form.overlap is not None:
+            if form.overlap is not None and _may_share_memory(target, args, kwargs):
                 _check_no_partial_overlap([target], args, kwargs, form.overlap)
             _check_inplace_result(target, out.shape, out.dtype)
             STATS.ops_recorded += 1
@@ -1097,6 +1097,32 @@ def _release(nodes: list[Node]) -> None:
 def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
     """c10's ``is_non_overlapping_and_dense``."""
     return (t._meta if isinstance(t, DeferredTensor) else TensorMeta.of(t)).is_dense
+
+
+def _may_share_memory(target: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor argument other than ``target`` itself may lie in ``target``'s memory
+    (``_same_memory``, without building the list of tensors): an optimizer's in-place updates
+    read other tensors almost always, and this runs before every one of them.  A list or dict
+    argument answers yes; the full check then looks inside."""
+    deferred = type(target) is DeferredTensor
+    state = target._storage if deferred else None
+    pointer = 0
+    if not deferred and target.layout is torch.strided:
+        pointer = _untyped_storage(target).data_ptr()
+    for a in itertools.chain(args, kwargs.values()):
+        if a is target:
+            continue
+        if type(a) is DeferredTensor:
+            if a._storage is state:
+                return True
+        elif isinstance(a, torch.Tensor):
+            if isinstance(a, DeferredTensor):
+                return True      # (a subclass of ours: let the full check decide)
+            if pointer and a.layout is torch.strided and _untyped_storage(a).data_ptr() == pointer:
+                return True
+        elif isinstance(a, (list, tuple, dict)):
+            return True
+    return False
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
