@@ -1088,7 +1088,12 @@ def _release(nodes: list[Node]) -> None:
     is freed now rather than when the last computed Value goes.  A node with an output still
     pending (an intermediate some cached read may ask for again) keeps them."""
     for node in nodes:
-        if all((v := r()) is None or v.result is not None for r in node.out_refs):
+        # (a loop, not all() over a generator: this runs for every node of every flush)
+        for ref in node.out_refs:
+            v = ref()
+            if v is not None and v.result is None:
+                break
+        else:
             node.args = ()
             node.kwargs = {}
             node.inputs = ()

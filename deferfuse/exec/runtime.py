@@ -232,8 +232,9 @@ def build(nodes: list[Node], outputs: list[Value]):
     n_inputs = next_id = len(leaves)
     entries: list[Any] = []
     first_out: list[int] = []   # per node, the env slot of its first output
+    slot_of = index.__getitem__
     for node in nodes:
-        entries.append((node.key, tuple([index[id(v)] for v in node.inputs])))
+        entries.append((node.key, tuple(map(slot_of, map(id, node.inputs)))))
         if node.scalars:
             scalars.extend(node.scalars)
         first_out.append(next_id)
