@@ -1,11 +1,12 @@
 """Side-by-side timing in one process.
 
 Every candidate of a workload runs on the same machine state, interleaved round by round, so
-drift in clock speed or background load hits all of them alike.  The order rotates from round
-to round (A B C, B C A, C A B, ...): what ran just before a candidate changes its time (torch's
-OpenMP threads keep spinning for a while after a parallel kernel and take cores from whatever
-runs next; measured on attention, a jax.jit call took 14.3 ms right after strict and 10.8 ms
-right after another jax.jit call), so a fixed order would charge one candidate for another.  Each
+drift in clock speed or background load hits all of them alike.  Each round runs the candidates
+in a new order, a seeded shuffle: what ran just before a candidate changes its time (torch's
+OpenMP threads and XLA's keep spinning for a while after a parallel kernel and take cores from
+whatever runs next; measured on attention, a jax.jit call took 14.3 ms right after strict and
+10.8 ms right after another jax.jit call), so a fixed order (or a rotation of one, which keeps
+every candidate's predecessor) would charge one candidate for another.  Each
 candidate is called once (timed separately: for a compiler that first call is its compile) and
 warmed up before the timed rounds; its first output is compared against the reference's
 (strict PyTorch) so a fast wrong answer is reported as a mismatch, not as a speed-up.
@@ -23,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -234,9 +236,9 @@ def compare(candidates: list[Candidate], budget: Budget, *, rtol: float = 1e-4,
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for round_number in range(rounds):
-            shift = round_number % len(live)
-            for candidate in live[shift:] + live[:shift]:
+        order = random.Random(0)
+        for _ in range(rounds):
+            for candidate in order.sample(live, len(live)):
                 timing = timings[candidate.name]
                 try:
                     elapsed_ms, _ = _timed_call(candidate.run)
