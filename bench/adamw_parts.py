@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
     parser.add_argument("--write-back-both", action="store_true",
                         help="alternate steps between the write-back as one memmove per tensor "
-                             "(deferfuse's default up to 8 MB) and torch's copy_, and show both")
+                             "(deferfuse's default up to 1 MB) and torch's copy_, and show both")
     options = parser.parse_args()
     memmove_bytes = recorder_module._MEMMOVE_BYTES
 

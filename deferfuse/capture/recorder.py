@@ -1043,12 +1043,14 @@ def _touches(root: Node, computed: set[int], written: set[int], memo: dict[int, 
     return memo.get(root.id, False)
 
 
-# Write-backs into user memory up to this size are one memmove on this thread.  torch's copy_
+# Write-backs into user memory up to this size are one memmove on the calling thread.  torch's copy_
 # splits a copy over its OpenMP threads, and right after an XLA computation those wait for
-# cores that XLA's own threads are still spinning on: an AdamW step's 150 copies of 256 KB
-# took twice as long through copy_ (measured with bench.write_back).  Larger copies are split
-# anyway: one thread does not reach the memory bandwidth of several.
-_MEMMOVE_BYTES = 1 << 23
+# cores that XLA's own threads are still spinning on: with the second core busy, an AdamW
+# step's 150 copies of 256 KB took 4.3 ms by memmove and 9.4 ms by copy_ (python -m
+# bench.adamw_parts --write-back-both); on an idle 2-core machine the two are within noise.
+# Larger copies stay with copy_: on a machine with many cores its threads reach a memory
+# bandwidth one thread does not.
+_MEMMOVE_BYTES = 1 << 20
 _raw_data_ptr = torch._C.TensorBase.data_ptr   # (not the plain-read guard's wrapper)
 
 
