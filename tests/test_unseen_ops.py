@@ -167,6 +167,26 @@ def test_a_lone_place_with_a_pending_input_is_recorded(lone_on):
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x * 3.0, (7,), w, b))
 
 
+def test_a_lone_place_runs_at_once_on_computed_deferred_inputs_and_parameters(lone_on):
+    """Plain tensors go to the kernel as they are; a computed deferred tensor (a result of an
+    earlier block) and a Parameter go through realize, which hands the kernel their data."""
+    x, b = torch.randn(61, 8), torch.randn(8)
+    w = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+    with deferfuse.defer():
+        x_deferred = x * 1.5
+    deferfuse.sync(x_deferred)
+    assert type(x_deferred) is DeferredTensor and x_deferred._storage.contents is None
+    expected = torch.nn.functional.layer_norm(x * 1.5, (8,), w, b)
+    deferfuse.reset_stats()
+    kinds = []
+    for _ in range(3):
+        y, _, kind = _layer_norm_block(x_deferred, w, b)
+        kinds.append(kind)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    assert kinds == [DeferredTensor, torch.Tensor, torch.Tensor]
+    assert deferfuse.stats()["lone_ops_run"] == 2
+
+
 @pytest.mark.parametrize("settings,rows", [(dict(eager_lone_ops=False), 79),
                                            (dict(lone_op_on_torch=False), 83),
                                            (dict(always_compile=True), 89)], ids=str)

@@ -544,7 +544,10 @@ class Recorder:
         Tried before recording, only for ops that have had a lone flush, with the call's key
         taken from its arguments' metadata without reading them into the graph."""
         info, _, name = _FACTS.get(id(func)) or _facts(func)
-        if info.kind is not OpKind.PURE or not _computed(args, kwargs):
+        if info.kind is not OpKind.PURE:
+            return NotImplemented
+        tensors = _tensors_in(args, kwargs)
+        if not _all_computed(tensors):
             return NotImplemented
         key = _light_key(name, info, args, kwargs)
         entry = meta_.cached_quietly(key) if key is not None else None
@@ -555,8 +558,11 @@ class Recorder:
             return NotImplemented
         STATS.ops_recorded += 1
         STATS.lone_ops_run += 1
-        real_args, real_kwargs = self.realize((args, kwargs), FlushReason.FALLBACK)
-        out = func(*real_args, **real_kwargs)
+        if any(type(t) is not torch.Tensor for t in tensors):
+            # (computed deferred tensors, or other subclasses: their data, as the kernel wants;
+            # plain tensors, the common case, go as they are)
+            args, kwargs = self.realize((args, kwargs), FlushReason.FALLBACK)
+        out = func(*args, **kwargs)
         at_once = self.at_once
         if len(at_once) >= _AT_ONCE_LIMIT:
             # (a long block running such an op every iteration: keep the live results only,
@@ -1590,7 +1596,11 @@ def _light_key(name: str, info: Any, args: tuple, kwargs: dict) -> Any:
 
 def _computed(args: tuple, kwargs: dict) -> bool:
     """Whether every tensor argument holds its values already (no pending writes into it)."""
-    for t in _tensors_in(args, kwargs):
+    return _all_computed(_tensors_in(args, kwargs))
+
+
+def _all_computed(tensors: list) -> bool:
+    for t in tensors:
         if type(t) is DeferredTensor:
             if t._storage.contents is not None:
                 return False
