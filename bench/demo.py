@@ -98,9 +98,13 @@ def show(spec: Spec, title: str, formula: str, probe: DeferProbe) -> bool:
     if warm_up.get("unseen_ops_run"):
         first += f" ({_plural(warm_up['unseen_ops_run'], 'op')} seen for the first time ran at once)"
     first += ": then a new graph, " + _plural(warm_up.get("compiles"), "compile")
-    if warm_up.get("eager_replays"):
-        first += (f"; the first {_plural(warm_up['eager_replays'], 'run')} replayed eagerly "
-                  f"while XLA compiled")
+    replays = warm_up.get("eager_replays")
+    if replays and warm_up.get("eager_chosen"):
+        # (the counters cover the timed runs too: a graph kept eager replays in every one)
+        first += (f"; torch's kernels ran this graph faster than XLA, so the engine choice "
+                  f"keeps it eager ({_plural(replays, 'eager run')} in all)")
+    elif replays:
+        first += f"; the first {_plural(replays, 'run')} replayed eagerly while XLA compiled"
     print(first + f" ({defer.warmup_calls} warm-up calls, untimed)")
     print(f"    strict  {strict.median_ms:8.2f} ms   (median of {len(strict.samples_ms)}, "
           f"min {strict.min_ms:.2f})")
