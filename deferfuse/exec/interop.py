@@ -8,6 +8,7 @@ import torch
 
 from ..stats import STATS
 from .._lazy import lazy_import
+from . import backend
 
 jax = lazy_import("jax", globals(), "jax")
 
@@ -36,6 +37,7 @@ _DIRECT: list = []   # [(import, export)] once resolved, [None] where the public
 
 def _direct_crossings():
     if not _DIRECT:
+        backend.prepare()
         try:
             from jax._src.lib import _jax, jaxlib_extension_version
             device = jax.devices("cpu")[0]

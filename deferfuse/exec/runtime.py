@@ -28,7 +28,7 @@ from ..lower import dtypes as dtypes_
 from ..lower.registry import _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
 from ..lower.views import internal_rule
 from ..stats import STATS
-from . import diskcache, interop
+from . import backend, diskcache, interop
 from .._lazy import lazy_import
 
 jax = lazy_import("jax", globals(), "jax")
@@ -265,6 +265,7 @@ def build(nodes: list[Node], outputs: list[Value]):
 
 
 def _lower(program: Program, leaf_avals: tuple, n_scalars: int) -> Any:
+    backend.prepare()
     avals = [jax.ShapeDtypeStruct(shape, dtypes_.to_jax(dtype)) for shape, dtype in leaf_avals]
     scalar_aval = jax.ShapeDtypeStruct((n_scalars,), jnp.float64)
     with _x64():
@@ -377,6 +378,7 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
         STATS.cache_misses += 1
         _SEEN[sig] = runs + 1
         return None
+    backend.prepare()   # (before JAX's backend is first used: loading, compiling)
     loaded = diskcache.load(sig)
     if loaded is not None:
         compiled = _Compiled(*loaded)
