@@ -287,9 +287,15 @@ def machine_info() -> dict[str, Any]:
     if hasattr(os, "getloadavg"):
         info["load_average_1_5_15m"] = [round(load, 2) for load in os.getloadavg()]
     try:
+        # JAX's CPU client is created by its first use, here: set up as deferfuse sets it up
+        # (synchronous dispatch, exec/backend.py), as in a process where deferfuse ran first.
+        # The jax.jit column shares that client.
+        from deferfuse.exec import backend
+        backend.prepare()
         import jax
         info["jax"] = jax.__version__
         info["jax_devices"] = [str(device) for device in jax.devices()]
+        info["jax_cpu_async_dispatch"] = jax.config.values.get("jax_cpu_enable_async_dispatch")
     except Exception as exc:
         info["jax"] = "unavailable: " + short_reason(exc)
     try:
