@@ -73,7 +73,7 @@ class FlushRecord:
                 ops += f", ... ({len(counts) - 8} more kinds)"
             compute = sum(1 for b in g.bounds if b == "compute-bound")
             kind = f"{compute} compute-bound, {len(g.bounds) - compute} memory-bound"
-            sources = sorted(set(str(s) for s in g.sources if s))
+            sources = [str(s) for s in sorted(set(s for s in g.sources if s), key=_place_order)]
             span = ""
             if sources:
                 span = f"; recorded at {sources[0]}" + (f" ... {sources[-1]}" if len(sources) > 1 else "")
@@ -81,6 +81,12 @@ class FlushRecord:
                          f"split: {g.reason}; {kind}{span}")
             lines.append(f"    {ops}")
         return "\n".join(lines)
+
+
+def _place_order(source: Any) -> tuple:
+    """Sorts places by file, then line number (as text, line 10 came before line 9)."""
+    line = getattr(source, "line", None)
+    return (str(source).rsplit(":", 1)[0], line if line is not None else -1)
 
 
 def _position(record: FlushRecord, group) -> int:

@@ -287,3 +287,42 @@ def test_a_thread_outside_defer_reads_through_the_guard_untouched():
         assert dict(flushes()) == before
     assert seen["values"][0] == [0.0, 1.0, 2.0, 3.0] == seen["values"][1]
     assert x.tolist() == [0.0, 3.0, 6.0, 9.0]
+
+
+def test_each_recorded_op_names_the_line_that_recorded_it():
+    # the fast path (pure and in-place), torch's Python operator wrappers (``**`` and ``1 - t`` go
+    # through torch/_tensor.py) and the general path each keep the user's line per node
+    from deferfuse import observe
+    import inspect
+    x, p = torch.randn(8), torch.randn(8)
+    lines = {}
+    for _ in range(3):   # past the first sightings, which run at once
+        with deferfuse.defer():
+            here = inspect.currentframe().f_lineno
+            y = x * 2.0                   # here + 1
+            p.mul_(0.5)                   # here + 2
+            z = y ** 3                    # here + 3
+            w = 1 - z                     # here + 4
+            v = torch.cumsum(w, 0)        # here + 5
+        lines = {"mul.Tensor": here + 1, "pow.Tensor_Scalar": here + 3, "rsub.Scalar": here + 4,
+                 "cumsum": here + 5}
+    group = observe._HISTORY[-1].groups[0]
+    found: dict = {}
+    for op, source in zip(group.ops, group.sources):
+        found.setdefault(op, set()).add(str(source))
+    for op, line in lines.items():
+        assert f"{__file__}:{line}" in found[op], (op, found)
+    # p.mul_ is recorded as its functional twin: a second mul.Tensor, on its own line
+    assert found["mul.Tensor"] == {f"{__file__}:{here + 1}", f"{__file__}:{here + 2}"}, found
+    assert v.shape == (8,)
+
+
+def test_explain_gives_the_span_of_lines_in_line_order():
+    # sorted as text, line 10 came before line 9 ("recorded at f.py:10 ... f.py:9")
+    code = compile("\n" * 8 + "y = x * 2.0\nz = y + 1.0\n", "padded.py", "exec")
+    x = torch.randn(8)
+    for _ in range(3):   # past the first sightings, which run at once
+        with deferfuse.defer():
+            names = {"x": x}
+            exec(code, names)
+    assert "recorded at padded.py:9 ... padded.py:10" in deferfuse.explain(last=1)

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import sys
 import threading
 import weakref
 from typing import Any, NamedTuple, Optional
@@ -33,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import config
 from ..errors import FallbackReason, FlushReason
 from ..exec import runtime
-from ..debugging.source import user_line, user_source
+from ..debugging.source import user_line, user_line_from, user_source
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..ir.meta import TensorMeta
@@ -195,6 +196,15 @@ class Recorder:
         self.pending_nodes += 1
         source = user_line() if self.record_source else None
         return graph.emit(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
+
+    def _fast_node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
+                   entry: Any, inputs: tuple, scalars: tuple) -> tuple[Value, ...]:
+        """``_node`` for ``record_fast``, whose caller is ``_defer_dispatch``, called by torch:
+        the user's frame (or torch's Python wrapper) is the one above those two, so the walk
+        for the source line starts there."""
+        self.pending_nodes += 1
+        source = user_line_from(sys._getframe(3)) if self.record_source else None
+        return graph.emit(op, args, kwargs, outs, key, source, entry, inputs, scalars)
 
     def _real(self, t: torch.Tensor) -> tuple[StorageState, TensorMeta]:
         """The state and metadata of a plain tensor, remembered for this context by the tensor
@@ -425,7 +435,7 @@ class Recorder:
             if entry is None or entry.lowering is None or entry.outs[0] is None:
                 return NotImplemented
             STATS.ops_recorded += 1
-            (value,) = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
+            (value,) = self._fast_node(func, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
             result = self.fresh(entry.outs[0], value)
         else:
             target = args[0] if args else None
@@ -449,7 +459,7 @@ class Recorder:
                 _check_no_partial_overlap([target], args, kwargs, form.overlap)
             _check_inplace_result(target, out.shape, out.dtype)
             STATS.ops_recorded += 1
-            (value,) = self._node(form.functional, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
+            (value,) = self._fast_node(form.functional, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
             self.write(target, value, target_meta)
             result = target
         if self.pending_nodes > self.max_pending:

@@ -25,10 +25,14 @@ def _is_internal(code) -> bool:
 
 
 def _user_frame():
-    """The innermost frame outside deferfuse, torch and jax (None if there is none).  Called for
+    """The innermost frame outside deferfuse, torch and jax (None if there is none)."""
+    return _first_user_frame(sys._getframe(2))
+
+
+def _first_user_frame(frame):
+    """``frame`` or the nearest of its callers outside deferfuse, torch and jax.  Called for
     every recorded op, so whether a code object is internal is looked up, not worked out, each
     time."""
-    frame = sys._getframe(2)
     known = _IS_INTERNAL
     while frame is not None:
         code = frame.f_code
@@ -87,5 +91,13 @@ class SourceLine:
 def user_line() -> Optional[SourceLine]:
     """The place in the user's code that made the current call (the frame ``user_source``
     names); its line number is worked out only when it is printed."""
-    frame = _user_frame()
+    frame = _first_user_frame(sys._getframe(1))
+    return None if frame is None else SourceLine(frame.f_code, frame.f_lasti)
+
+
+def user_line_from(frame) -> Optional[SourceLine]:
+    """``user_line()`` for a caller that knows how many of its own frames to skip: the walk
+    starts at ``frame`` (the recorder's fast path passes the frame above its dispatch entry,
+    saving the lookups of its own frames on every op)."""
+    frame = _first_user_frame(frame)
     return None if frame is None else SourceLine(frame.f_code, frame.f_lasti)
