@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from .. import config
 from .._lazy import lazy_import
@@ -28,6 +29,7 @@ log = logging.getLogger("deferfuse")
 
 _JAX_FLAG = "jax_cpu_enable_async_dispatch"
 _prepared = False
+_lock = threading.Lock()
 
 
 def prepare() -> None:
@@ -35,7 +37,13 @@ def prepare() -> None:
     global _prepared
     if _prepared:
         return
-    _prepared = True
+    with _lock:   # (a second thread must not create the client while the first sets it up)
+        if not _prepared:
+            _prepare()
+            _prepared = True
+
+
+def _prepare() -> None:
     if config.get("xla_cpu_async_dispatch") or _JAX_FLAG.upper() in os.environ:
         return
     try:
@@ -44,9 +52,9 @@ def prepare() -> None:
     except (ImportError, AttributeError):   # JAX's internals moved: keep its default
         return
     if created:
-        log.info("deferfuse: JAX's CPU client already exists; its asynchronous dispatch stays on "
-                 "(each flush pays a thread hand-off). Import deferfuse before using JAX, or set "
-                 "%s=0, to avoid it.", _JAX_FLAG.upper())
+        log.info("deferfuse: JAX's CPU client was created before deferfuse first used it, so "
+                 "its asynchronous dispatch stays on (each flush pays a thread hand-off); set "
+                 "%s=0 in the environment to turn it off for the whole process.", _JAX_FLAG.upper())
         return
     jax.config.update(_JAX_FLAG, False)
 
