@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
 import torch
 
 import deferfuse
 from bench import workloads
+from bench.harness import print_medians
 from deferfuse.exec import runtime
 
 
@@ -87,9 +87,8 @@ def main() -> None:
                     parts[name].append(time.perf_counter() - started)
     finally:
         runtime.execute_xla = execute_xla
-    print(f"GELU-tanh on 2^{options.log2_size} floats, {options.rounds} shuffled rounds (medians, ms):")
-    for name, values in parts.items():
-        print(f"  {name:<24} {statistics.median(values) * 1e3:8.3f}")
+    print_medians(f"GELU-tanh on 2^{options.log2_size} floats, {options.rounds} shuffled rounds "
+                  "(medians, ms):", parts)
     stats = deferfuse.stats()
     print(f"  XLA runs {stats['executions']}, eager replays {stats['eager_replays']} in "
           f"{options.rounds} blocks")

@@ -404,3 +404,11 @@ def plot_results(name: str, results: list[Result]) -> Path | None:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def print_medians(title: str, parts: dict[str, list[float]]) -> None:
+    """``title``, then each part's median in milliseconds (samples in seconds), one per line."""
+    width = max(len(name) for name in parts)
+    print(title)
+    for name, values in parts.items():
+        print(f"  {name:<{width}} {statistics.median(values) * 1e3:8.3f}")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 import deferfuse
+from bench.harness import print_medians
 
 
 def main() -> None:
@@ -63,9 +63,7 @@ def main() -> None:
                 _, times = block()
                 for name, seconds in zip(("block: enter", "block: op", "block: leave", "block: all"), times):
                     parts[name].append(seconds)
-    print(f"LayerNorm {options.rows}x1024, {options.rounds} shuffled rounds (medians, ms):")
-    for name, values in parts.items():
-        print(f"  {name:<14} {statistics.median(values) * 1e3:8.3f}")
+    print_medians(f"LayerNorm {options.rows}x1024, {options.rounds} shuffled rounds (medians, ms):", parts)
     stats = deferfuse.stats()
     print(f"  ops run at once where their flushes were lone: {stats['lone_ops_run']} of "
           f"{options.rounds} blocks; flushes {stats['flushes']}")
