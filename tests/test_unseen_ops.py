@@ -115,7 +115,11 @@ def test_settings_that_turn_it_off(settings, columns):
 # -- ops whose flushes were lone -------------------------------------------------------------
 
 @pytest.fixture
-def lone_on():
+def lone_on(monkeypatch):
+    """The lone settings on, and no place learned yet: places are the process's (the helper
+    below is one place for every test that calls it)."""
+    from deferfuse.capture import meta
+    monkeypatch.setattr(meta, "LONE_PLACES", set())
     with config.override(eager_lone_ops=True, lone_op_on_torch=True, eager_unseen_ops=False,
                          always_compile=False):
         yield
@@ -141,6 +145,35 @@ def test_a_lone_flush_runs_at_once_from_then_on(lone_on):
         torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (5,), w, b), rtol=0, atol=0)
     assert kinds == [DeferredTensor, torch.Tensor, torch.Tensor, torch.Tensor]
     assert deferfuse.stats()["lone_ops_run"] == 3
+
+
+def test_a_lone_place_runs_at_once_for_other_shapes_too(lone_on):
+    """A place is learned once, whatever shapes it sees later: where an op runs never changes
+    its result, and asking costs one lookup before any argument is looked at."""
+    first = torch.randn(113, 5), torch.randn(5), torch.randn(5)
+    other = torch.randn(3, 9), torch.randn(9), torch.randn(9)
+    kinds = [_layer_norm_block(*first)[2]]
+    for x, w, b in (other, first):
+        y, _, kind = _layer_norm_block(x, w, b)
+        kinds.append(kind)
+        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, x.shape[-1:], w, b), rtol=0, atol=0)
+    assert kinds == [DeferredTensor, torch.Tensor, torch.Tensor]
+
+
+def test_learned_lone_places_are_bounded(lone_on, monkeypatch):
+    from deferfuse.capture import meta
+    monkeypatch.setattr(meta, "_LONE_PLACES_LIMIT", 2)
+    x, w, b = torch.randn(115, 3), torch.randn(3), torch.randn(3)
+    for _ in range(2):
+        with deferfuse.defer():
+            y1 = torch.nn.functional.layer_norm(x, (3,), w, b)
+        with deferfuse.defer():
+            y2 = torch.nn.functional.layer_norm(x, (3,), w, b)
+        with deferfuse.defer():
+            y3 = torch.nn.functional.layer_norm(x, (3,), w, b)
+        assert len(meta.LONE_PLACES) <= 2
+    for y in (y1, y2, y3):
+        torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (3,), w, b), rtol=0, atol=0)
 
 
 def test_a_result_feeding_a_recorded_op_makes_its_place_record_again(lone_on):

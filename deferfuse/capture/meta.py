@@ -34,9 +34,6 @@ class MetaEntry:
     lowering: Optional[Lowering]              # None: no usable lowering
     reason: Optional[str]                     # why there is none
     ctx: LoweringContext
-    # places in the user's code (SourceLine) where this call's last flush was lone: one op,
-    # run on torch's kernel anyway; the recorder runs it at once there (eager_lone_ops)
-    lone_sites: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
 
 _CACHE: dict[Any, Any] = {}   # key -> MetaEntry, or _NO_META
@@ -90,18 +87,25 @@ def _meta_of_output(out: Any, device: torch.device) -> Optional[TensorMeta]:
 # id() of the ops that have had a lone flush (eager_lone_ops): the recorder looks for a lone
 # place only for these
 LONE_OPS: set = set()
+# (id(op), place in the user's code) where the op's last flush was lone: one op, run on
+# torch's kernel anyway; the recorder runs it at once there (eager_lone_ops).  Keyed by the
+# place, not by the call's metadata: asking is then one lookup before any argument is looked
+# at, and running an op at once is right for any shapes (it only decides where the op runs).
+LONE_PLACES: set = set()
+_LONE_PLACES_LIMIT = 1 << 14
 
 
-def mark_lone(entry: MetaEntry, op: Any, site: Any) -> None:
+def mark_lone(op: Any, site: Any) -> None:
     """``op``'s flush recorded at ``site`` ran alone (on torch's kernel)."""
-    entry.lone_sites.add(site)
+    if len(LONE_PLACES) >= _LONE_PLACES_LIMIT:
+        LONE_PLACES.clear()   # (places that stopped being lone: forgetting costs a lone flush)
+    LONE_PLACES.add((id(op), site))
     LONE_OPS.add(id(op))
 
 
-def cached_quietly(key: Any) -> Optional[MetaEntry]:
-    """Like ``cached``, uncounted: a probe that may well find nothing usable."""
-    entry = _CACHE.get(key)
-    return None if entry is None or entry is _NO_META else entry
+def unmark_lone(op: Any, site: Any) -> None:
+    """A result of ``op`` run at once at ``site`` fed a recorded op: record it there again."""
+    LONE_PLACES.discard((id(op), site))
 
 
 def cached(key: Any) -> Optional[MetaEntry]:

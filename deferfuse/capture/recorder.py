@@ -236,7 +236,7 @@ class Recorder:
         time."""
         ran = self.at_once.pop(id(t), None)
         if ran is not None and ran[0]() is t:
-            ran[1].lone_sites.discard(ran[2])
+            meta_.unmark_lone(ran[1], ran[2])
 
     def state_of_real(self, t: torch.Tensor) -> StorageState:
         if t.layout is not torch.strided:
@@ -551,20 +551,16 @@ class Recorder:
     def at_once_if_lone(self, func, args: tuple, kwargs: dict) -> Any:
         """Run a pure op at once on torch's kernel if its last flush at this place in the user's
         code was lone and its inputs are computed (eager_lone_ops); NotImplemented otherwise.
-        Tried before recording, only for ops that have had a lone flush, with the call's key
-        taken from its arguments' metadata without reading them into the graph."""
-        info, _, name = _FACTS.get(id(func)) or _facts(func)
+        Tried before recording, only for ops that have had a lone flush: the place is asked
+        first, so elsewhere this costs one lookup."""
+        site = user_line_from(sys._getframe(2))
+        if (id(func), site) not in meta_.LONE_PLACES:
+            return NotImplemented
+        info = (_FACTS.get(id(func)) or _facts(func))[0]
         if info.kind is not OpKind.PURE:
             return NotImplemented
         tensors = _tensors_in(args, kwargs)
         if not _all_computed(tensors):
-            return NotImplemented
-        key = _light_key(name, info, args, kwargs)
-        entry = meta_.cached_quietly(key) if key is not None else None
-        if entry is None or not entry.lone_sites:
-            return NotImplemented
-        site = user_line()
-        if site not in entry.lone_sites:
             return NotImplemented
         STATS.ops_recorded += 1
         STATS.lone_ops_run += 1
@@ -580,7 +576,7 @@ class Recorder:
             live = {k: v for k, v in at_once.items() if v[0]() is not None}
             self.at_once = at_once = live if len(live) < _AT_ONCE_LIMIT // 2 else {}
         for t in _tensors_in(out):
-            at_once[id(t)] = (weakref.ref(t), entry, site)
+            at_once[id(t)] = (weakref.ref(t), func, site)
         return out
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
@@ -1567,41 +1563,6 @@ def _static_key(a: Any, is_scalar_arg: bool) -> Any:
         # True == 1 and hash alike, but promote differently
         return (bool, a)
     return a
-
-
-_NO_KEY = object()
-
-
-def _key_part(a: Any, is_scalar_arg: bool) -> Any:
-    if isinstance(a, torch.Tensor):
-        if a.is_conj() or a.is_neg():
-            return _NO_KEY
-        if type(a) is DeferredTensor:
-            return a._meta
-        return TensorMeta.of(a) if a.layout is torch.strided else _NO_KEY
-    if isinstance(a, (list, tuple)):
-        parts = tuple(_key_part(x, is_scalar_arg) for x in a)
-        return _NO_KEY if any(p is _NO_KEY for p in parts) else parts
-    return _static_key(a, is_scalar_arg)
-
-
-def _light_key(name: str, info: Any, args: tuple, kwargs: dict) -> Any:
-    """The meta-cache key ``convert`` would give a call, from its arguments' metadata alone
-    (None where only the full conversion can say: lazy-bit and non-strided tensors)."""
-    names, scalar_args = info.arg_names, info.scalar_args
-    parts = []
-    for i, a in enumerate(args):
-        part = _key_part(a, i < len(names) and names[i] in scalar_args)
-        if part is _NO_KEY:
-            return None
-        parts.append(part)
-    named = []
-    for n, a in kwargs.items():
-        part = _key_part(a, n in scalar_args)
-        if part is _NO_KEY:
-            return None
-        named.append((n, part))
-    return (name, (tuple(parts), tuple(named)))
 
 
 def _computed(args: tuple, kwargs: dict) -> bool:

@@ -628,7 +628,7 @@ def _learn_lone(nodes: list[Node]) -> None:
     from ..capture import meta as meta_
     for node in nodes:
         if isinstance(node.lowering, meta_.MetaEntry) and node.source is not None:
-            meta_.mark_lone(node.lowering, node.op, node.source)   # (node.lowering: its entry)
+            meta_.mark_lone(node.op, node.source)
 
 
 def _index_of(record: Any, group: Any) -> int:
