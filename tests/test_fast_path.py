@@ -79,7 +79,7 @@ def test_the_fast_path_takes_the_commonest_calls(monkeypatch):
         taken.append(result is not NotImplemented)
         return result
     monkeypatch.setattr(recorder.Recorder, "record_fast", counting)
-    x = torch.randn(8)
+    x = torch.randn(8, 137)  # (a shape of its own: another test may have cached x * 2.0's)
     with deferfuse.defer():
         y = x * 2.0          # first sight of this call: its metadata is not cached yet
         for _ in range(3):
