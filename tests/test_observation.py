@@ -253,19 +253,44 @@ def _methods():
 
 def test_guarded_methods_are_torchs_own_again_after_blocks():
     before = _methods()
+    x = torch.arange(3.0)
     with deferfuse.defer():
+        read_only = _methods()
+        x.add_(1)
         inside = _methods()
         with deferfuse.defer():
             pass
         with deferfuse.strict():
             assert _methods() == before
-        assert _methods() == inside
+        assert _methods()[1] is inside[1]
+    # matrix_rank's out= is wrapped in every block; Python-level reads only once the block
+    # has written a plain tensor (until then every plain tensor's memory is current)
+    assert read_only[0] == before[0] and read_only[1] is not before[1]
     assert all(inside[0][name] is not before[0][name] for name in GUARDED) and inside[1] is not before[1]
     assert _methods() == before
     with pytest.raises(ZeroDivisionError):
         with deferfuse.defer():
+            x.add_(1)
             1 / 0
     assert _methods() == before
+    assert x.tolist() == [2.0, 3.0, 4.0]
+
+
+def test_a_read_after_a_suspension_sees_a_new_pending_write():
+    """Suspending a block (a debug block inside it) flushes it and takes the read wrappers
+    off; the next plain write after it puts them back."""
+    before = _methods()
+    x = torch.arange(3.0)
+    with deferfuse.defer():
+        x.mul_(2)
+        assert x.tolist() == [0.0, 2.0, 4.0]
+        with deferfuse.debug():
+            assert _methods() == before
+            assert x.tolist() == [0.0, 2.0, 4.0]
+        x.add_(1)
+        assert x.tolist() == [1.0, 3.0, 5.0]
+        assert repr(x) == "tensor([1., 3., 5.])"
+    assert x.tolist() == [1.0, 3.0, 5.0]
 
 
 def test_a_thread_outside_defer_reads_through_the_guard_untouched():

@@ -47,7 +47,7 @@ from .tensor import DeferredTensor
 from .unroll import DECOMPOSITIONS, unroll_foreach
 
 aten = torch.ops.aten
-# (torch's own method: our code's reads of storages skip the plain-read guard's wrapper)
+# (torch's own method: our code's reads of storages skip the wrapper of _READ_PATCHES)
 _untyped_storage = torch._C.TensorBase.untyped_storage
 
 # Storages with real memory, by data pointer, so every tensor over the same memory (a user
@@ -188,6 +188,7 @@ class Recorder:
         self.epoch = next(_epochs)
         self.sizing: set = set()      # data-dependent ops whose size rule is running
         self.plain: dict[int, tuple] = {}   # id(plain tensor) -> (weak ref, state, meta, data pointer)
+        self.guarding_reads = False   # this block holds _READ_PATCHES (it wrote a plain tensor)
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
@@ -319,6 +320,10 @@ class Recorder:
         else:
             state, known = self._real(target)
             m = meta or known
+            if not self.guarding_reads:
+                # a plain tensor's contents become pending: Python-level reads must see them
+                self.guarding_reads = True
+                _READ_PATCHES.hold()
         if state.epoch != self.epoch:
             self._enter_epoch(state)
         if value.meta.dtype != m.dtype:
@@ -1063,7 +1068,7 @@ def _touches(root: Node, computed: set[int], written: set[int], memo: dict[int, 
 # Larger copies stay with copy_: on a machine with many cores its threads reach a memory
 # bandwidth one thread does not.
 _MEMMOVE_BYTES = 1 << 20
-_raw_data_ptr = torch._C.TensorBase.data_ptr   # (not the plain-read guard's wrapper)
+_raw_data_ptr = torch._C.TensorBase.data_ptr   # (not the wrapper of _READ_PATCHES)
 
 
 def _write_back(buffer: torch.Tensor, flat: torch.Tensor) -> None:
@@ -1436,41 +1441,37 @@ def _data_property():
     return property(get, set_, doc=_TENSOR_DATA.__doc__)
 
 
-class _PlainReadGuard:
-    """While any defer block runs in the process, the methods in _PLAIN_READS (and
-    torch.linalg.matrix_rank) are wrapped so that a plain tensor's pending contents are written
-    back before Python code reads its memory, when the calling thread is inside a defer block.
+class _Patches:
+    """Wrappers put on torch's classes while they are needed, shared by every thread: the
+    first ``hold`` installs them, the last ``release`` restores torch's own attributes.  Other
+    threads, and our own code (inside __torch_dispatch__ or no_dispatch(), where no DeferMode is
+    on the dispatch stack), call through the wrappers to torch's methods after one check of the
+    stack.  Setting an attribute of torch.Tensor touches every subclass's type cache (~0.3 us
+    each warm, tens of microseconds right after a large kernel has emptied the caches), so each
+    set is installed only when a block needs it."""
 
-    A TorchFunctionMode did this before; torch then routes every torch call of the block through
-    Python, 2-4 us per op, to catch these few methods.  Here a block pays ~4 us once, when the
-    first block starts and the last one ends; other threads, and our own code (inside
-    __torch_dispatch__ or no_dispatch(), where no DeferMode is on the dispatch stack), call
-    through to torch's methods after one check of the stack."""
-
-    def __init__(self) -> None:
+    def __init__(self, make) -> None:
+        self.make = make           # () -> [(owner, name, wrapper)], called at the first hold
         self.lock = threading.Lock()
-        self.depth = 0
+        self.holders = 0
         self.saved: list[tuple[Any, str, Any]] = []   # (owner, name, its own attribute or None)
-        self.patches: list[tuple[Any, str, Any]] = []   # (owner, name, wrapper), made once
+        self.patches: Optional[list[tuple[Any, str, Any]]] = None
 
-    def enter(self) -> None:
+    def hold(self) -> None:
         with self.lock:
-            self.depth += 1
-            if self.depth > 1:
+            self.holders += 1
+            if self.holders > 1:
                 return
-            if not self.patches:
-                self.patches = [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
-                                for name, reason in _PLAIN_READS.items()]
-                self.patches.append((torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)))
-                self.patches.append((torch.Tensor, "data", _data_property()))
+            if self.patches is None:
+                self.patches = self.make()
             for owner, name, patched in self.patches:
                 self.saved.append((owner, name, owner.__dict__.get(name)))
                 setattr(owner, name, patched)
 
-    def exit(self) -> None:
+    def release(self) -> None:
         with self.lock:
-            self.depth -= 1
-            if self.depth > 0:
+            self.holders -= 1
+            if self.holders > 0:
                 return
             for owner, name, own in reversed(self.saved):
                 if own is None:
@@ -1480,7 +1481,22 @@ class _PlainReadGuard:
             self.saved.clear()
 
 
-_PLAIN_READ_GUARD = _PlainReadGuard()
+# While a defer block runs: ``p.data = q`` must know deferred tensors (q's memory does not
+# exist yet), and torch.linalg.matrix_rank's out= must be written (under any dispatch mode its
+# C++ composite drops it).
+_BLOCK_PATCHES = _Patches(lambda: [
+    (torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)),
+    (torch.Tensor, "data", _data_property())])
+
+# While a block has written a plain tensor: the methods in _PLAIN_READS write its pending
+# contents back before Python code reads its memory.  A block that only reads plain tensors
+# (their memory is current; its results are deferred tensors, which materialize themselves)
+# never installs them.
+_READ_PATCHES = _Patches(lambda: [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
+                                  for name, reason in _PLAIN_READS.items()])
+
+
+
 
 
 def _defer_dispatch(self, func, types, args=(), kwargs=None):
@@ -1523,12 +1539,16 @@ class DeferMode(TorchDispatchMode):
 
     def __enter__(self):
         result = super().__enter__()
-        _PLAIN_READ_GUARD.enter()
+        _BLOCK_PATCHES.hold()
         return result
 
     def __exit__(self, exc_type, exc_value, traceback):
         try:
-            _PLAIN_READ_GUARD.exit()
+            _BLOCK_PATCHES.release()
+            # (a block leaves nothing pending in plain tensors: suspending one flushes it)
+            if self.recorder.guarding_reads:
+                self.recorder.guarding_reads = False
+                _READ_PATCHES.release()
         finally:
             super().__exit__(exc_type, exc_value, traceback)
 
