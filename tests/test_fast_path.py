@@ -29,6 +29,9 @@ PROGRAMS = [
     lambda x, y, i: x.mul_(0.5).addcmul_(y, y, value=-1.5),        # in-place on a user tensor
     lambda x, y, i: i.add_(3).clamp_(min=0, max=5),                # integer in-place, keywords
     lambda x, y, i: x[1:].mul_(y[0]),                              # in-place into a view
+    # repeated scalars share one RuntimeScalar; zeros of both signs and nans never do
+    lambda x, y, i: (1 / x.mul(0.0) + 1 / x.mul(-0.0) + 1 / y.mul(0.0)) * 0.25 * 0.25,
+    lambda x, y, i: x.add(float("nan")).add(float("nan")).mul(-0.0).reciprocal(),
 ]
 
 
@@ -68,6 +71,18 @@ def test_the_fast_path_records_what_the_general_path_does(program, monkeypatch):
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_the_fast_path_matches_strict(program):
     check(program, *_inputs())
+
+
+def test_a_conjugate_view_of_a_deferred_tensor_reads_conjugated():
+    """The fast path knows a deferred tensor's lazy bits by its own flag (recorder._set_bits);
+    a conjugate view shares its base's storage and metadata, so a missed bit would read the
+    base's values."""
+    z = torch.tensor([1 + 2j, -3 - 0.5j, 0.25j])
+    expected = (z * 2.0).conj() * 1.5
+    for _ in range(3):   # (from the second block on, torch's clone of the view is cached)
+        with deferfuse.defer():
+            got = (z * 2.0).conj() * 1.5
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_the_fast_path_takes_the_commonest_calls(monkeypatch):

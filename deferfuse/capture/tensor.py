@@ -21,6 +21,9 @@ class DeferredTensor(torch.Tensor):
     _meta: TensorMeta
     _storage: StorageState
     _recorder: Any
+    # whether torch's lazy conjugate or negative bit is set (our views set them, through
+    # recorder._set_bits): the recorder's fast path reads this instead of asking torch twice
+    _lazy_bits = False
 
     @staticmethod
     def __new__(cls, meta: TensorMeta, storage: StorageState, recorder: Any) -> "DeferredTensor":
