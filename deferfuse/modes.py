@@ -147,6 +147,8 @@ def _stop_defer(handle, reason: FlushReason, *, flush: bool = True) -> None:
             recorder.flush_all(reason)
     finally:
         recorder.active = False
+        from .capture.recorder import drop_reads
+        drop_reads(recorder.real_states)
         recorder.real_states.clear()
         try:
             handle.__exit__(None, None, None)

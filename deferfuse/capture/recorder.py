@@ -78,8 +78,34 @@ def no_dispatch():
 # which does not keep the owner alive; the entry goes when the owner does.
 _BUFFERS: dict[int, tuple] = {}
 
-_PLAIN_CACHE_SIZE = 4096   # plain tensors a context remembers (Recorder._real) before starting over
+# id(plain tensor) -> (weak ref, StorageState, TensorMeta, data pointer, storage bytes): what
+# Recorder._real worked out for a plain tensor, kept across blocks (an optimizer step touches
+# the same 200 tensors in every block, ~15 us each to work out afresh) while the tensor lives.
+# Checked on every use against the tensor's memory and layout, which code we do not see can
+# change; changes we do see clear it (Recorder._forget_plain).  A block's exit drops what its
+# states cached from the graph (_drop_reads), so an entry keeps no computed values alive.
+_PLAIN: dict[int, tuple] = {}
+_PLAIN_CACHE_SIZE = 4096   # plain tensors remembered before starting over
 _AT_ONCE_LIMIT = 4096   # results of ops run at once that a context watches for consumers
+
+
+def _forget_dead_plain(key: int, dead: Any) -> None:
+    entry = _PLAIN.get(key)
+    if entry is not None and entry[0] is dead:
+        del _PLAIN[key]
+
+
+def drop_reads(states: Any) -> None:
+    """At a block's exit: what its storages cached from its graph (reads, graph inputs) goes,
+    so that storages remembered across blocks (_PLAIN) keep no computed values alive; the next
+    block reads their memory afresh anyway.  Graph inputs still alive (another thread's
+    pending nodes may read them) stay listed for a write to snapshot."""
+    for s in states:
+        if s.contents is None:
+            s.reads = {}
+            s.leaf = None
+            if s.old_leaves:
+                s.old_leaves = [ref for ref in s.old_leaves if ref() is not None]
 
 
 def _flat_buffer(t: torch.Tensor, ptr: int, numel: int) -> torch.Tensor:
@@ -187,7 +213,6 @@ class Recorder:
         self.active = True
         self.epoch = next(_epochs)
         self.sizing: set = set()      # data-dependent ops whose size rule is running
-        self.plain: dict[int, tuple] = {}   # id(plain tensor) -> (weak ref, state, meta, data pointer)
         self.guarding_reads = False   # this block holds _READ_PATCHES (it wrote a plain tensor)
 
     # -- graph building ------------------------------------------------------------------------
@@ -218,22 +243,26 @@ class Recorder:
         (``p.data = q``); changes we do see clear the memory of them (``_forget_plain``)."""
         if self.at_once:
             self._unmark_lone(t)
-        cached = self.plain.get(id(t))
+        key = id(t)
+        cached = _PLAIN.get(key)
         if cached is not None and cached[0]() is t:
             m = cached[2]
-            if _untyped_storage(t).data_ptr() == cached[3] and t.shape == m.shape \
+            storage = _untyped_storage(t)
+            if storage.data_ptr() == cached[3] and storage.nbytes() == cached[4] and t.shape == m.shape \
                     and t.stride() == m.stride and t.storage_offset() == m.offset:
                 return cached[1], m
         state, m = self.state_of_real(t), TensorMeta.of(t)
-        if len(self.plain) >= _PLAIN_CACHE_SIZE:
-            self.plain.clear()
-        self.plain[id(t)] = (weakref.ref(t), state, m, _untyped_storage(t).data_ptr())
+        if len(_PLAIN) >= _PLAIN_CACHE_SIZE:
+            _PLAIN.clear()
+        storage = _untyped_storage(t)
+        ref = weakref.ref(t, lambda dead, key=key: _forget_dead_plain(key, dead))
+        _PLAIN[key] = (ref, state, m, storage.data_ptr(), storage.nbytes())
         return state, m
 
     def _forget_plain(self) -> None:
         """Plain tensors' metadata or storages may have changed (an in-place view op, a resize,
         an op run eagerly): look them up again."""
-        self.plain.clear()
+        _PLAIN.clear()
 
     def _unmark_lone(self, t: torch.Tensor) -> None:
         """``t``, a result of an op run at once because its flushes were lone, feeds a recorded
@@ -284,6 +313,7 @@ class Recorder:
             state.reads = {}
             state.leaf = None
         state.epoch = self.epoch
+        self.real_states.add(state)   # (its cached reads are dropped at the block's exit)
 
     def read(self, t: torch.Tensor) -> tuple[Value, TensorMeta]:
         if isinstance(t, DeferredTensor):
