@@ -100,3 +100,25 @@ def test_the_fast_path_takes_the_commonest_calls(monkeypatch):
         for _ in range(3):
             y = x * 2.0
     assert taken == [False, True, True, True]
+
+
+def test_every_node_lists_the_values_among_its_arguments():
+    """Nodes are given their inputs where the recorder knows them (the fast path, the storage
+    model's reads, writes, casts and lazy bits) instead of walking their arguments: the lists
+    must be what the walk finds."""
+    x, y = torch.randn(4, 4), torch.randn(4, 4, dtype=torch.float64)
+    z = torch.randn(3, dtype=torch.complex64)
+    with deferfuse.defer():
+        a = x[1:, :2] * 2.0             # a read of a view
+        x[0].add_(1.0)                  # a write into a view
+        x.mul_(y)                       # a cast into the target's dtype
+        w = (z * 1.5).conj() * 2.0      # lazy bits of a deferred tensor
+        r = torch.view_as_real(z * 1.0) * 3.0
+        values = [a._storage.contents[1], w._storage.contents[1], r._storage.contents[1]]
+        with recorder.no_dispatch():
+            values.append(recorder._STATES_BY_PTR[x.untyped_storage().data_ptr()].contents[1])
+        nodes = graph.ancestors(values)
+        kinds = {str(n.op) for n in nodes}
+        for n in nodes:
+            assert n.inputs == tuple(n._walk_values()), n
+    assert {"deferfuse.read_view", "deferfuse.write_view", "deferfuse.cast"} <= kinds, kinds

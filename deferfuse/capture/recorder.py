@@ -333,13 +333,13 @@ class Recorder:
             if m.dtype != state.dtype:
                 # a real view of complex memory (view_as_real): the memory as the real dtype
                 real = TensorMeta((2 * state.numel,), (1,), 0, m.dtype, state.device, 2 * state.numel)
-                flat = self._node(graph.AS_REAL, (flat,), {}, (real,), (graph.AS_REAL,))[0]
-            value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m))[0]
+                flat = self._node(graph.AS_REAL, (flat,), {}, (real,), (graph.AS_REAL,), inputs=(flat,))[0]
+            value = self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m), inputs=(flat,))[0]
             state.reads[m] = value
         if isinstance(t, DeferredTensor) and (t.is_conj() or t.is_neg()):
             # a lazy conjugate or negative view of pending memory
             bits = (t.is_conj(), t.is_neg())
-            value = self._node(graph.BITS, (value, *bits), {}, (m,), (graph.BITS, *bits))[0]
+            value = self._node(graph.BITS, (value, *bits), {}, (m,), (graph.BITS, *bits), inputs=(value,))[0]
         return value, m
 
     def _resolved(self, t: torch.Tensor) -> torch.Tensor:
@@ -362,12 +362,13 @@ class Recorder:
             self._enter_epoch(state)
         if value.meta.dtype != m.dtype:
             cast_meta = value.meta._replace(dtype=m.dtype)
-            value = self._node(graph.CAST, (value, m.dtype), {}, (cast_meta,), (graph.CAST, m.dtype))[0]
+            value = self._node(graph.CAST, (value, m.dtype), {}, (cast_meta,), (graph.CAST, m.dtype), inputs=(value,))[0]
         if m.covers_storage:
             state.contents = ("root", value, m)
         else:
             flat = self.flat(state)
-            (new,) = self._node(graph.WRITE_VIEW, (flat, value, m), {}, (_flat_meta(state),), (graph.WRITE_VIEW, m))
+            (new,) = self._node(graph.WRITE_VIEW, (flat, value, m), {}, (_flat_meta(state),), (graph.WRITE_VIEW, m),
+                                  inputs=(flat, value))
             state.contents = ("flat", new)
         state.changed()
         state.reads[m] = value
