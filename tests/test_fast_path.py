@@ -122,3 +122,27 @@ def test_every_node_lists_the_values_among_its_arguments():
         for n in nodes:
             assert n.inputs == tuple(n._walk_values()), n
     assert {"deferfuse.read_view", "deferfuse.write_view", "deferfuse.cast"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1, 5), (5, 1), (2, 1, 3), (0, 1)])
+def test_deferred_results_have_strict_layouts(shape) -> None:
+    """A deferred tensor of torch's default layout is made without passing strides and offset
+    (torch's defaults, cheaper per op); every result, default or not, must still report the
+    sizes, strides and offset strict's has: size-0 and size-1 dims, views, offsets."""
+    def program(x):
+        y = x + 1
+        views = [y, y.unsqueeze(0), y.unsqueeze(-1)]
+        if y.dim() >= 2:
+            views += [y.transpose(0, -1), y[1:], y.narrow(-1, 0, 0)]
+        if y.numel():
+            views += [y.reshape(-1)[1:], y.reshape(-1)[::2]]
+        return views
+    x = torch.rand(shape)
+    expected = program(x)
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        actual = program(x)
+        layouts = [(t.shape, t.stride(), t.storage_offset()) for t in actual]
+        assert all(isinstance(t, deferfuse.DeferredTensor) for t in actual)
+    assert layouts == [(t.shape, t.stride(), t.storage_offset()) for t in expected]
+    for e, a in zip(expected, actual):
+        torch.testing.assert_close(a, e)

@@ -186,6 +186,8 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     if correction is not None and device.type == "cpu":
         # (lowerings compute what the CPU kernel does, so they follow the corrected metadata)
         outs = correction(outs, args, kwargs)
+    if device.type == "cpu" and any(o is not None and 0 in o.shape for o in outs):
+        outs = _empty_outputs_as_cpu_lays_them(op, outs, args, kwargs)
     tensor_outs = tuple(o for o in outs if o is not None)
     ctx = LoweringContext(op, args, kwargs, tensor_outs)
     if lowering is None:
@@ -241,14 +243,12 @@ _SMALL = 1 << 16
 NO_JAX_DTYPE = "a dtype with no JAX equivalent"
 
 
-def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> bool:
-    """Meta kernels sometimes raise another exception type than the real kernel (RuntimeError
-    for IndexError), or reject a call the real kernel runs.  For small inputs, run the op on
-    zero-filled CPU tensors of the same metadata and raise what it raises; True when it raised
-    nothing (the meta kernel is wrong about this call).  Otherwise let the meta error stand."""
+def _small_real_inputs(args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """``args`` and ``kwargs`` with zero-filled CPU tensors of each TensorMeta's layout, or None
+    where they would hold more than ``_SMALL`` elements."""
     tensors = [a for a in _walk(args, kwargs) if isinstance(a, TensorMeta)]
     if sum(t.storage_numel for t in tensors) > _SMALL:
-        return False
+        return None
 
     def real(a: Any) -> Any:
         if isinstance(a, TensorMeta):
@@ -259,8 +259,47 @@ def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) 
             return type(a)(real(x) for x in a)
         return a
 
+    return real(args), {k: real(v) for k, v in kwargs.items()}
+
+
+def _empty_outputs_as_cpu_lays_them(op, outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """Meta kernels and the CPU kernel may lay out an empty result differently (``x + 1`` on a
+    0x1 tensor: strides (1, 1) on meta, (1, 0) on the CPU), and strides are observable.  For
+    small inputs, run the op on zero-filled CPU tensors and take the strides and offset of each
+    empty result from it; ops that draw random numbers are left alone (the real kernel would
+    draw from the user's generator), as is any call the real kernel rejects."""
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return outs
+    real = _small_real_inputs(args, kwargs)
+    if real is None:
+        return outs
     try:
-        op(*real(args), **{k: real(v) for k, v in kwargs.items()})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = op(*real[0], **real[1])
+    except Exception:  # noqa: BLE001 - the meta kernel's metadata stands
+        return outs
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    if len(results) != len(outs):
+        return outs
+    corrected = []
+    for meta, r in zip(outs, results):
+        if meta is not None and isinstance(r, torch.Tensor) and 0 in meta.shape and tuple(r.shape) == meta.shape:
+            meta = meta._replace(stride=tuple(r.stride()), offset=r.storage_offset())
+        corrected.append(meta)
+    return tuple(corrected)
+
+
+def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> bool:
+    """Meta kernels sometimes raise another exception type than the real kernel (RuntimeError
+    for IndexError), or reject a call the real kernel runs.  For small inputs, run the op on
+    zero-filled CPU tensors of the same metadata and raise what it raises; True when it raised
+    nothing (the meta kernel is wrong about this call).  Otherwise let the meta error stand."""
+    real = _small_real_inputs(args, kwargs)
+    if real is None:
+        return False
+    try:
+        op(*real[0], **real[1])
     except Exception as real_error:  # noqa: BLE001 - re-raised with torch's own type
         if type(real_error) is not type(meta_error):
             raise real_error from None

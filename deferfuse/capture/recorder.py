@@ -380,7 +380,7 @@ class Recorder:
         return [None if m is None else self.fresh(m, next(values)) for m in entry.outs]
 
     def fresh(self, m: TensorMeta, value: Value) -> DeferredTensor:
-        state = StorageState(m.storage_numel, m.dtype, m.device, contents=("root", value, m))
+        state = StorageState(m.storage_numel, m.dtype, m.device, None, ("root", value, m))
         state.epoch = self.epoch
         state.reads[m] = value
         self.pending.append(weakref.ref(state))
@@ -442,7 +442,7 @@ class Recorder:
                     kparts.append(m)
                     found.append(v)
                 elif type(a) is float and i < n_named and scalar_at[i]:
-                    vargs.append(_runtime_scalar(a))
+                    vargs.append(_SCALARS.get(a) or _runtime_scalar(a))
                     kparts.append(float)
                     scalars.append(a)
                 else:
