@@ -94,8 +94,11 @@ class UlpNoise(TorchDispatchMode):
             sign = (sign * self.direction).to(tensor.dtype)
             if name in SUMMING_OPS:
                 # the same op over the terms' magnitudes bounds what reordering can change
-                terms = [a.abs() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                         for a in args]
+                # (integer terms too, summed into a float result: mean(int64, dtype=float32);
+                # in float64, where abs of the most negative integer does not wrap)
+                terms = [a.abs() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                         else a.double().abs() if isinstance(a, torch.Tensor) and a.dtype != torch.bool
+                         else a for a in args]
                 magnitude = func(*terms, **kwargs).abs().to(tensor.dtype)
                 tensor.add_(sign * 2 * NOISE_ULPS * eps * magnitude.nan_to_num(0.0, 0.0))
                 # where the terms overflow, the order of summation decides between inf and nan:
@@ -418,6 +421,25 @@ def test_the_oracle_holds_infinities_to_themselves() -> None:
         assert _mismatch("v", expected, torch.tensor(wrong), []) is not None, wrong
     # (and a nudge that moved a finite value keeps widening its bound)
     assert _mismatch("v", torch.tensor([1.0]), torch.tensor([1.01]), [torch.tensor([1.01])]) is None
+
+
+def test_a_sum_of_integers_into_floats_is_nudged_by_its_terms() -> None:
+    """Found by the deep suite: mean(v2, dim=0, dtype=float32) over int64 values near +-2**63
+    cancels to -0.2 in strict's order of summation and 0.0 in XLA's.  The nudged strict runs
+    must bound such a result by its terms' magnitudes, integer terms included (they were
+    skipped, so the oracle compared a value that the order of summation decides)."""
+    big = 2 ** 63 - 1
+    program = Program(inputs=(InputSpec((5, 2), torch.int64, "contiguous", "int", 0),),
+                      steps=(Step("mean", (0,), (("dim", 0), ("keepdim", False), ("dtype", torch.float32)), out=1),))
+    terms = torch.tensor([[0, 1], [-big - 1, 1], [0, 1], [-1, 1], [big, 1]])
+    nudged = []
+    for direction in (1, -1):
+        with UlpNoise(seed=1, direction=direction):
+            nudged.append(torch.mean(terms, dim=0, dtype=torch.float32))
+    expected = torch.mean(terms, dim=0, dtype=torch.float32)
+    assert _mismatch("v1", expected, torch.tensor([expected[0] + 0.2, 1.0]), nudged) is None
+    assert _mismatch("v1", expected, torch.tensor([expected[0], 1.5]), nudged) is not None
+    assert execute(program).error is None
 
 
 def test_every_op_is_in_some_family() -> None:

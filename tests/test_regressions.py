@@ -380,3 +380,13 @@ def test_xla_does_not_fold_log_of_exp_or_sqrt_of_a_square():
         deferred = program(x, ints)
     for got, want in zip(deferred, program(x, ints)):
         torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_power_of_an_exponential_keeps_ieee_special_cases(dtype):
+    """Found by the deep program suite: ``exp(v0) ** v7`` with v0 = inf and v7 = False gave nan
+    for strict's 1.0.  XLA's simplifier rewrites pow(exp(a), y) as exp(a * y): inf * 0 and
+    0 * nan are nan, where x ** 0 and 1 ** y are 1 for every x and y."""
+    x = torch.tensor([math.inf, 0.0, -math.inf, math.nan, 1.5, 0.0, math.inf], dtype=dtype)
+    y = torch.tensor([0.0, math.nan, 0.0, 0.0, 2.0, math.inf, -1.0], dtype=dtype)
+    check(lambda x, y: (torch.exp(x) ** y, torch.exp(x) ** (y == 0), torch.exp(x).pow(0.0)), x, y)

@@ -296,6 +296,10 @@ def pow_(ctx, base, exponent):
         # (C's pow gives -inf to a fractional power a signed infinity or zero, not NaN)
         negative_finite = (base < 0) & (base > -jnp.inf)
         result = jnp.where(negative_finite & (exponent != jnp.floor(exponent)), jnp.nan, result)
+        # x ** 0 and 1 ** y are 1 for every x and y, nan and infinities included.  XLA's
+        # simplifier rewrites pow(exp(a), y) as exp(a * y), which makes inf ** 0 (a = inf)
+        # and 1 ** nan (a = 0) nan: say these explicitly too.
+        result = jnp.where((exponent == 0) | (base == 1), jnp.ones((), result.dtype), result)
     return result
 
 
