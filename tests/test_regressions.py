@@ -232,15 +232,13 @@ def test_inplace_mul_that_would_promote_raises(program):
     check(program, torch.tensor([68, 3]), torch.tensor([True, False]), torch.tensor([1.5, 2.5]))
 
 
-# (not strict: the garbage is whatever the memory held, and it can happen to be a nan)
-@pytest.mark.xfail(strict=False, reason="XLA's CPU backend returns garbage for exp(constant nan + converted scalar)")
 def test_inplace_chain_through_zero_over_zero_keeps_nan():
     """x.zero_(); x.div_(x); x.add_(0.5); x.exp_() must leave nan (0/0, then nan + 0.5, then
-    exp(nan)); defer left 0.0 or a different number on each run (1.2e-27, 2.7e+23, ...).  Our
-    lowering is right: XLA folds 0/0 into a constant nan, and jax.jit of
-    ``jnp.exp(jnp.full(1, jnp.nan, jnp.float32) + s.astype(jnp.float32))`` with a float64 ``s``
-    gives the same garbage (jax 0.10.2, CPU), where a nan passed in as data, a float32 ``s`` or
-    ``log`` instead of ``exp`` give nan.  Without the add_ or the exp_ the nan survives."""
+    exp(nan)); defer left 0.0 or a different number on each run (1.2e-27, 2.7e+23, ...).  XLA
+    folds 0/0 into a constant nan, and its CPU code for a float32 exp gives garbage where its
+    argument is provably nan (jax.jit of ``jnp.exp(s + jnp.float32(nan))`` on a float32 ``s``,
+    jax 0.10.2); a nan passed in as data gives nan.  Lowerings use ``xla_fixes.exp``, which
+    selects the nan."""
     def program(x):
         x.zero_()
         x.div_(x)
@@ -387,6 +385,21 @@ def test_power_of_an_exponential_keeps_ieee_special_cases(dtype):
     """Found by the deep program suite: ``exp(v0) ** v7`` with v0 = inf and v7 = False gave nan
     for strict's 1.0.  XLA's simplifier rewrites pow(exp(a), y) as exp(a * y): inf * 0 and
     0 * nan are nan, where x ** 0 and 1 ** y are 1 for every x and y."""
-    x = torch.tensor([math.inf, 0.0, -math.inf, math.nan, 1.5, 0.0, math.inf], dtype=dtype)
-    y = torch.tensor([0.0, math.nan, 0.0, 0.0, 2.0, math.inf, -1.0], dtype=dtype)
+    big = 800.0 if dtype == torch.float64 else 100.0   # exp overflows; exp(big * 0.5) does not
+    x = torch.tensor([math.inf, 0.0, -math.inf, math.nan, 1.5, 0.0, math.inf, big], dtype=dtype)
+    y = torch.tensor([0.0, math.nan, 0.0, 0.0, 2.0, math.inf, -1.0, 0.5], dtype=dtype)
     check(lambda x, y: (torch.exp(x) ** y, torch.exp(x) ** (y == 0), torch.exp(x).pow(0.0)), x, y)
+
+
+@pytest.mark.parametrize("fn", [torch.exp, torch.exp2, torch.sinh, torch.cosh, torch.sigmoid,
+                                torch.nn.functional.silu, torch.nn.functional.softplus,
+                                torch.nn.functional.elu, lambda x: torch.softmax(x, 0),
+                                lambda x: torch.logsumexp(x, 0)])
+def test_exp_of_a_folded_nan_is_nan(fn):
+    """Every lowering that computes an exp keeps a nan that XLA can prove at compile time
+    (a zeroed tensor divided by itself), as strict does; float32 exp gave garbage there."""
+    def program(x):
+        x.zero_()
+        x.div_(x)
+        return fn(x + 0.5)
+    check(program, torch.tensor([4.0, 2.0, 1.0]))

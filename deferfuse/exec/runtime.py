@@ -58,19 +58,20 @@ class Step:
 
 _aten = torch.ops.aten
 # XLA's algebraic simplifier rewrites some compositions as if floats could not overflow:
-# log(exp(a)) -> a and sqrt(a * a) -> |a| (exp(100.0) is inf in float32, so torch's log of it
-# is inf, not 100).  Where a consumer of these kinds reads a producer of these kinds, the value
+# log(exp(a)) -> a, pow(exp(a), y) -> exp(a * y) and sqrt(a * a) -> |a| (exp(100.0) is inf in
+# float32, so torch's log of it is inf, not 100; exp(inf) ** 0 is 1, exp(inf * 0) nan).  Where a consumer of these kinds reads a producer of these kinds, the value
 # passes through an optimization barrier, which the simplifier cannot see through (the producer
 # is then materialized instead of fused, only on such edges).
 _LOG_OPS = frozenset({_aten.log.default, _aten.log2.default, _aten.log10.default})
 _SQRT_OPS = frozenset({_aten.sqrt.default, _aten.rsqrt.default})
+_POW_OPS = frozenset({_aten.pow.Tensor_Tensor, _aten.pow.Tensor_Scalar})
 
 
 def _unsafe_rewrite(consumer: Any, producer: Optional["Step"]) -> bool:
     """Whether XLA would rewrite ``consumer(producer(...))`` unsafely (see above)."""
     if producer is None:
         return False
-    if consumer in _LOG_OPS:
+    if consumer in _LOG_OPS or consumer in _POW_OPS:
         return producer.op is _aten.exp.default
     if consumer in _SQRT_OPS:
         # a * a with both operands the same value (x ** 2 is computed otherwise: pow lowering)

@@ -13,6 +13,7 @@ import math
 import torch
 
 from .pointwise import _check, _logit_bounds, _sigmoid, _through, _wide
+from . import xla_fixes
 from .registry import lowering
 from .._lazy import lazy_import
 
@@ -63,13 +64,13 @@ def gelu(ctx, x, *, approximate="none"):
 @lowering(aten.silu.default, check=_check)
 def silu(ctx, x):
     x = _tensors(ctx, x)
-    return x / (1 + jnp.exp(-x))
+    return x / (1 + xla_fixes.exp(-x))
 
 
 @lowering(aten.mish.default, check=_check)
 def mish(ctx, x):
     x = _tensors(ctx, x)
-    return x * jnp.tanh(jnp.log1p(jnp.exp(x)))
+    return x * jnp.tanh(jnp.log1p(xla_fixes.exp(x)))
 
 
 @lowering(aten.hardtanh.default, check=_check)
@@ -117,7 +118,7 @@ def celu(ctx, x, alpha=1.0):
 def softplus(ctx, x, beta=1, threshold=20):
     x, (beta, threshold) = _tensors(ctx, x), _params(ctx, beta, threshold)
     scaled = x * beta
-    return jnp.where(scaled > threshold, x, jnp.log1p(jnp.exp(scaled)) / beta)
+    return jnp.where(scaled > threshold, x, jnp.log1p(xla_fixes.exp(scaled)) / beta)
 
 
 @lowering(aten.threshold.default, check=_check)
@@ -147,7 +148,7 @@ def glu(ctx, x, dim=-1):
 @lowering(aten.log_sigmoid_forward.default, check=_check)
 def log_sigmoid_forward(ctx, x):
     x = _tensors(ctx, x)
-    z = jnp.exp(-jnp.abs(x))
+    z = xla_fixes.exp(-jnp.abs(x))
     out = jnp.minimum(x, 0) - jnp.log1p(z)
     buffer_shape = ctx.out[1].shape
     buffer = z if buffer_shape == x.shape else jnp.zeros(buffer_shape, x.dtype)
@@ -172,7 +173,7 @@ def gelu_backward(ctx, grad, x, *, approximate="none"):
         inner_derivative = _GELU_TANH_BETA * (1 + 3 * _GELU_TANH_KAPPA * x_sq)
         return grad * (0.5 * right + left * (1 - tanh_inner * tanh_inner) * inner_derivative)
     cdf = 0.5 * (1 + lax.erf(x * _SQRT1_2))
-    pdf = jnp.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    pdf = xla_fixes.exp(-0.5 * x * x) * _INV_SQRT_2PI
     return grad * (cdf + x * pdf)
 
 
@@ -186,7 +187,7 @@ def silu_backward(ctx, grad, x):
 @lowering(aten.mish_backward.default, check=_check)
 def mish_backward(ctx, grad, x):
     grad, x = _tensors(ctx, grad, x)
-    tanh_softplus = jnp.tanh(jnp.log1p(jnp.exp(x)))
+    tanh_softplus = jnp.tanh(jnp.log1p(xla_fixes.exp(x)))
     return grad * (tanh_softplus + x * _sigmoid(x) * (1 - tanh_softplus * tanh_softplus))
 
 
@@ -236,14 +237,14 @@ def elu_backward(ctx, grad, alpha, scale, input_scale, is_result, x):
     if is_result:   # x is elu's output
         negative = grad * input_scale * (x + negcoef)
     else:
-        negative = grad * input_scale * negcoef * jnp.exp(x * input_scale)
+        negative = grad * input_scale * negcoef * xla_fixes.exp(x * input_scale)
     return jnp.where(x <= 0, negative, grad * scale)
 
 
 @lowering(aten.softplus_backward.default, check=_check)
 def softplus_backward(ctx, grad, x, beta, threshold):
     (grad, x), (beta, threshold) = _tensors(ctx, grad, x), _params(ctx, beta, threshold)
-    z = jnp.exp(x * beta)
+    z = xla_fixes.exp(x * beta)
     return jnp.where(x * beta > threshold, grad, grad * z / (z + 1))
 
 
@@ -268,7 +269,7 @@ def logit_backward(ctx, grad, x, eps=None):
 def log_sigmoid_backward(ctx, grad, x, buffer):
     grad, x = _tensors(ctx, grad, x)
     negative = x < 0
-    z = jnp.exp(-jnp.abs(x))
+    z = xla_fixes.exp(-jnp.abs(x))
     return grad * (jnp.where(negative, 1, 0) - jnp.where(negative, 1, -1) * (z / (1 + z)))
 
 

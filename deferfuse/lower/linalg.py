@@ -26,6 +26,7 @@ import torch
 
 from . import dtypes as _dtypes
 from ..ir.meta import TensorMeta
+from . import xla_fixes
 from .registry import LoweringContext, lowering, replay_on_cpu, shape_rule
 from .._lazy import lazy_import
 
@@ -838,7 +839,7 @@ def _check_matrix_exp(ctx: LoweringContext) -> Optional[str]:
 def matrix_exp(ctx, a):
     n = a.shape[-1]
     if n == 1:
-        return jnp.exp(a)
+        return xla_fixes.exp(a)
     thetas = _MEXP_THETAS[jnp.dtype(a.dtype)]
     flat = a.reshape((-1, n, n))
     norm = jnp.max(jnp.sum(jnp.abs(flat), axis=-2), axis=-1)       # the 1-norm

@@ -25,6 +25,7 @@ import torch
 
 from . import dtypes as _dtypes
 from .linalg import raise_like_cpu
+from . import xla_fixes
 from .registry import bounds_check, LoweringContext, lowering, runtime_check
 from .._lazy import lazy_import
 
@@ -533,7 +534,7 @@ def binary_cross_entropy_backward(ctx, grad_output, x, target, weight=None, redu
 @lowering(aten.binary_cross_entropy_with_logits.default, check=_check_loss)
 def binary_cross_entropy_with_logits(ctx, x, target, weight=None, pos_weight=None, reduction=_MEAN):
     x, t = _acc(x), _acc(target)
-    log_sigmoid = jnp.minimum(x, 0) - jnp.log1p(jnp.exp(-jnp.abs(x)))
+    log_sigmoid = jnp.minimum(x, 0) - jnp.log1p(xla_fixes.exp(-jnp.abs(x)))
     if pos_weight is not None:
         log_sigmoid = log_sigmoid * ((_acc(pos_weight) - 1) * t + 1)
     loss = (1 - t) * x - log_sigmoid
@@ -631,7 +632,7 @@ def _lce_chunked(ctx, x, w, target, bias, weight, reduction: str, ignore_index: 
             logits = logits + bias_
         s = logits - logits.max(axis=1, keepdims=True)
         picked = jnp.take_along_axis(s, tc[:, None], axis=1)[:, 0]
-        e = jnp.exp(s)
+        e = xla_fixes.exp(s)
         denom = e.sum(axis=1)
         if per_row:
             return carry, (jnp.log(denom) - picked) * cc

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import dtypes as _dtypes
+from . import xla_fixes
 from .registry import lowering, runtime_check, replay_on_cpu
 from .._lazy import late, lazy_import
 
@@ -296,16 +297,12 @@ def pow_(ctx, base, exponent):
         # (C's pow gives -inf to a fractional power a signed infinity or zero, not NaN)
         negative_finite = (base < 0) & (base > -jnp.inf)
         result = jnp.where(negative_finite & (exponent != jnp.floor(exponent)), jnp.nan, result)
-        # x ** 0 and 1 ** y are 1 for every x and y, nan and infinities included.  XLA's
-        # simplifier rewrites pow(exp(a), y) as exp(a * y), which makes inf ** 0 (a = inf)
-        # and 1 ** nan (a = 0) nan: say these explicitly too.
-        result = jnp.where((exponent == 0) | (base == 1), jnp.ones((), result.dtype), result)
     return result
 
 
 # -- unary math ------------------------------------------------------------------------------------
 def _sigmoid(x):
-    return 1 / (1 + jnp.exp(-x))
+    return 1 / (1 + xla_fixes.exp(-x))
 
 
 def _digamma(x):
@@ -320,23 +317,23 @@ def _exp2(x):
     # splitting off the integer part keeps the product small and the scaling exact
     n = jnp.round(x)
     finite = jnp.isfinite(x)
-    scaled = jnp.ldexp(jnp.exp((x - n) * math.log(2)), jnp.where(finite, n, 0).astype(jnp.int32))
+    scaled = jnp.ldexp(xla_fixes.exp((x - n) * math.log(2)), jnp.where(finite, n, 0).astype(jnp.int32))
     return jnp.where(finite, scaled, jnp.where(x > 0, x, jnp.where(x != x, x, 0)))
 
 
 def _sinh(x):
     # XLA's sinh/cosh scale by exp(|x| - log 2), 12 ulps off torch's for large |x|; torch's
     # overflow to inf where exp(|x|) does
-    exp_difference = 0.5 * (jnp.exp(x) - jnp.exp(-x))
+    exp_difference = 0.5 * (xla_fixes.exp(x) - xla_fixes.exp(-x))
     return jnp.where(jnp.abs(x) < 1, jnp.sinh(x), exp_difference)
 
 
 def _cosh(x):
-    return 0.5 * (jnp.exp(x) + jnp.exp(-x))
+    return 0.5 * (xla_fixes.exp(x) + xla_fixes.exp(-x))
 
 
 _FLOAT_UNARY = {
-    aten.exp.default: _jnp.exp, aten.exp2.default: _exp2, aten.expm1.default: _jnp.expm1,
+    aten.exp.default: xla_fixes.exp, aten.exp2.default: _exp2, aten.expm1.default: _jnp.expm1,
     aten.log.default: _jnp.log, aten.log2.default: _jnp.log2, aten.log10.default: _jnp.log10,
     aten.log1p.default: _jnp.log1p, aten.sqrt.default: _jnp.sqrt,
     aten.rsqrt.default: lambda x: 1 / jnp.sqrt(x), aten.reciprocal.default: lambda x: 1 / x,
@@ -347,8 +344,8 @@ _FLOAT_UNARY = {
     aten.erf.default: _lax.erf, aten.erfc.default: _lax.erfc, aten.erfinv.default: _lax.erf_inv,
     aten.lgamma.default: _lax.lgamma, aten.digamma.default: _digamma,
     aten.sigmoid.default: _sigmoid,
-    aten.i0.default: lambda x: lax.bessel_i0e(x) * jnp.exp(jnp.abs(x)), aten.special_i0e.default: _lax.bessel_i0e,
-    aten.special_i1.default: lambda x: lax.bessel_i1e(x) * jnp.exp(jnp.abs(x)),
+    aten.i0.default: lambda x: lax.bessel_i0e(x) * xla_fixes.exp(jnp.abs(x)), aten.special_i0e.default: _lax.bessel_i0e,
+    aten.special_i1.default: lambda x: lax.bessel_i1e(x) * xla_fixes.exp(jnp.abs(x)),
     aten.special_i1e.default: _lax.bessel_i1e,
     aten.special_ndtri.default: _jax_special.ndtri, aten.special_log_ndtr.default: _jax_special.log_ndtr,
     # the argument of a real number: pi for negatives, nan stays nan
@@ -482,7 +479,7 @@ _FLOAT_BINARY = {
     aten.atan2.default: _jnp.arctan2, aten.hypot.default: _jnp.hypot,
     aten.copysign.Tensor: _jnp.copysign, aten.copysign.Scalar: _jnp.copysign,
     aten.xlogy.Tensor: _xlogy, aten.xlogy.Scalar_Self: _xlogy, aten.xlogy.Scalar_Other: _xlogy,
-    aten.logaddexp.default: lambda x, y: _logaddexp(x, y, lambda d: jnp.log1p(jnp.exp(d)), 1),
+    aten.logaddexp.default: lambda x, y: _logaddexp(x, y, lambda d: jnp.log1p(xla_fixes.exp(d)), 1),
     aten.logaddexp2.default: lambda x, y: _logaddexp(x, y, lambda d: jnp.log1p(jnp.exp2(d)), 1 / math.log(2)),
 }
 

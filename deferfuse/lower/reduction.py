@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import dtypes as _dtypes
+from . import xla_fixes
 from .registry import LoweringContext, lowering, replay_on_cpu, runtime_check
 from .._lazy import lazy_import
 
@@ -331,7 +332,7 @@ def logsumexp(ctx, x, dim, keepdim=False):
     # -inf (not nan) and a +inf anywhere gives +inf.
     shift = _max_with_identity(x, axes, keepdims=True)
     shift = jnp.where(jnp.isinf(shift), jnp.zeros((), x.dtype), shift)
-    total = jnp.sum(jnp.exp(x - shift), axis=axes, keepdims=True)
+    total = jnp.sum(xla_fixes.exp(x - shift), axis=axes, keepdims=True)
     out = jnp.log(total) + shift
     return out if keepdim else jnp.squeeze(out, axes)
 
@@ -377,14 +378,14 @@ def _shifted(x, dim):
 @lowering(aten._softmax.default, check=_check_softmax)
 def softmax(ctx, x, dim, half_to_float):
     shifted, axes = _shifted(x, dim)
-    e = jnp.exp(shifted)
+    e = xla_fixes.exp(shifted)
     return e / jnp.sum(e, axis=axes, keepdims=True)
 
 
 @lowering(aten._log_softmax.default, check=_check_softmax)
 def log_softmax(ctx, x, dim, half_to_float):
     shifted, axes = _shifted(x, dim)
-    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
+    return shifted - jnp.log(jnp.sum(xla_fixes.exp(shifted), axis=axes, keepdims=True))
 
 
 def _check_softmax_backward(ctx: LoweringContext) -> Optional[str]:
@@ -409,7 +410,7 @@ def log_softmax_backward(ctx, grad, output, dim, input_dtype):
     acc = _acc_dtype(grad.dtype)
     grad, output = grad.astype(acc), output.astype(acc)
     axes = _axes(grad.ndim, dim)
-    return grad - jnp.exp(output) * jnp.sum(grad, axis=axes, keepdims=True)
+    return grad - xla_fixes.exp(output) * jnp.sum(grad, axis=axes, keepdims=True)
 
 
 # -- layer norm ----------------------------------------------------------------------------------
@@ -696,7 +697,7 @@ def _check_logcumsumexp(ctx: LoweringContext) -> Optional[str]:
 def _logaddexp(a, b):
     hi, lo = jnp.maximum(a, b), jnp.minimum(a, b)
     same_inf = (hi == lo) & jnp.isinf(hi)
-    out = hi + jnp.log1p(jnp.exp(lo - hi))
+    out = hi + jnp.log1p(xla_fixes.exp(lo - hi))
     return jnp.where(same_inf, hi, out)     # NaN propagates through max/min and the sum
 
 

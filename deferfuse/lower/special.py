@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import pointwise as _pw
+from . import xla_fixes
 from .registry import lowering
 from .._lazy import lazy_import
 
@@ -308,7 +309,7 @@ def _erfcx(x):
     cf = (1 / jnp.sqrt(jnp.pi)) / cf
     positive = jnp.where(big, cf, jax_special.erfcx(jnp.where(big, 0.0, ax)))   # erfcx(|x|)
     # x < 0: 2 exp(x * x) - erfcx(-x), the term dropped below -6.1
-    negative = jnp.where(x64 < -6.1, 2 * jnp.exp(square), 2 * jnp.exp(square) - positive)
+    negative = jnp.where(x64 < -6.1, 2 * xla_fixes.exp(square), 2 * xla_fixes.exp(square) - positive)
     value = jnp.where(x64 < 0, negative, positive)
     value = jnp.where(x64 < -26.7, jnp.inf, value)
     value = jnp.where(x64 == jnp.inf, 0.0, value)
@@ -333,11 +334,11 @@ def _horner64(z, coefficients):
 
 
 def _i0(x):
-    return lax.bessel_i0e(x) * jnp.exp(jnp.abs(x))
+    return lax.bessel_i0e(x) * xla_fixes.exp(jnp.abs(x))
 
 
 def _i1(x):
-    return lax.bessel_i1e(x) * jnp.exp(jnp.abs(x))
+    return lax.bessel_i1e(x) * xla_fixes.exp(jnp.abs(x))
 
 
 # -- Bessel J0, J1, Y0, Y1, modified Bessel K0, K1 (and scaled), Airy Ai -------------------------
