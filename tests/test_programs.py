@@ -36,6 +36,8 @@ from hypothesis import Phase, currently_in_test_context, event, given, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
+from deferfuse.capture import meta
+from deferfuse.exec import runtime
 from program_gen import FAMILIES, OPS, programs
 from program_model import InputSpec, Lit, Program, Step, compiled, observe_value
 
@@ -86,6 +88,8 @@ class UlpNoise(TorchDispatchMode):
         name = func.overloadpacket.__name__.rstrip("_")
         if name not in TRANSCENDENTAL_OPS | SUMMING_OPS:
             return out
+        if name in ("_softmax", "_log_softmax") and out.is_floating_point():
+            out.copy_(self._softmax_of_a_recomputed_input(name, args[0], args[1], out.dtype))
         for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
             if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
                 continue
@@ -111,6 +115,21 @@ class UlpNoise(TorchDispatchMode):
                 ulps = NOISE_ULPS + (_pow_log_magnitude(*args[:2], tensor) if name == "pow" else 0)
                 tensor.mul_(1 + sign * ulps * eps)
         return out
+
+    def _softmax_of_a_recomputed_input(self, name: str, x: torch.Tensor, dim: int, dtype: torch.dtype):
+        """Softmax with the input nudged by an ulp after its maximum was taken.  XLA fuses the
+        op that made the input into both the maximum's loop and the loop that subtracts it, and
+        may contract a product there into a fused multiply-add: the element that is the maximum
+        then need not subtract to 0 (for products near 1e30, exp of the difference is 0 and the
+        softmax nan)."""
+        x = x.to(dtype)
+        eps = torch.finfo(dtype).eps
+        sign = (torch.randint(0, 2, x.shape, generator=self.generator) * 2 - 1) * self.direction
+        shifted = x * (1 + sign.to(dtype) * eps) - x.amax(dim, keepdim=True)
+        if name == "_softmax":
+            e = shifted.exp()
+            return e / e.sum(dim, keepdim=True)
+        return shifted - shifted.exp().sum(dim, keepdim=True).log()
 
 
 def _pow_log_magnitude(base: Any, exponent: Any, out: torch.Tensor) -> Any:
@@ -365,9 +384,12 @@ def test_programs_really_run_through_xla() -> None:
 
 def test_tiered_runs_go_through_every_tier() -> None:
     """Guard the tiered test likewise: its first run runs ops at once, its second replays the
-    recorded graph eagerly, its third runs it compiled."""
+    recorded graph eagerly, its third runs it compiled.  (From a clean slate: the programs
+    generated before it, in a deep run, may have made the same calls from the same lines.)"""
     program = Program(inputs=(InputSpec((3, 5), torch.float32, "permuted", "uniform", 11),),
                       steps=(Step("sin", (0,), out=1), Step("mul_", (0, 1))))
+    meta.clear_cache()
+    runtime.clear_cache()
     expected = execute(program)
     seen = []
     for _ in range(3):
@@ -440,6 +462,30 @@ def test_a_sum_of_integers_into_floats_is_nudged_by_its_terms() -> None:
     assert _mismatch("v1", expected, torch.tensor([expected[0] + 0.2, 1.0]), nudged) is None
     assert _mismatch("v1", expected, torch.tensor([expected[0], 1.5]), nudged) is not None
     assert execute(program).error is None
+
+
+def test_a_softmax_of_huge_products_is_not_compared() -> None:
+    """Found by the deep suite: softmax(v0 @ v0.mT, dim=0) with v0 = [[1e30], [1.16], [-3.9]]
+    is nan in a column under XLA and 1.0 in strict: XLA recomputes the (K=1) product in the
+    maximum's loop and in the loop that subtracts it, contracting the latter into a fused
+    multiply-add, so the maximum does not subtract to 0.  The nudged strict runs model that
+    (an ulp on the input after its maximum), which makes such values unstable, not compared;
+    on ordinary inputs the softmax stays compared."""
+    huge = torch.tensor([[1e30], [1.16], [-3.9]])
+    scores = huge @ huge.mT
+    nudged = []
+    for direction in (1, -1):
+        with UlpNoise(seed=1, direction=direction):
+            nudged.append(torch.softmax(scores, dim=0))
+    expected = torch.softmax(scores, dim=0)
+    defer_like = expected.clone()
+    defer_like[:, 1] = math.nan
+    assert _mismatch("v", expected, defer_like, nudged) is None
+    ordinary = torch.tensor([[0.5, -1.0], [2.0, 0.25]])
+    with UlpNoise(seed=1, direction=1):
+        nudged = [torch.softmax(ordinary, dim=0)]
+    wrong = torch.softmax(ordinary, dim=0) * 1.01
+    assert _mismatch("v", torch.softmax(ordinary, dim=0), wrong, nudged) is not None
 
 
 def test_every_op_is_in_some_family() -> None:

@@ -403,3 +403,53 @@ def test_exp_of_a_folded_nan_is_nan(fn):
         x.div_(x)
         return fn(x + 0.5)
     check(program, torch.tensor([4.0, 2.0, 1.0]))
+
+
+@pytest.mark.parametrize("write, strict_raises", [
+    (lambda t, y: t.add_(1), True), (lambda t, y: t.exp_(), True), (lambda t, y: t.clamp_(0, 1), True),
+    (lambda t, y: t.copy_(y), True), (lambda t, y: torch.sub(y, 1, out=t), True),
+    (lambda t, y: t.uniform_(), True), (lambda t, y: t.fill_(2.0), False), (lambda t, y: t.zero_(), False),
+    (lambda t, y: t.masked_fill_(y > 0, 3.0), False), (lambda t, y: t[0].add_(1), False)])
+@pytest.mark.parametrize("deferred", [False, True])
+def test_writes_into_expanded_tensors_do_what_strict_does(write, strict_raises, deferred):
+    """Found by the deep program suite: ``v0.expand((2, 1, 1, 1)).add_(v1)`` raised in strict
+    ("more than one element of the written-to tensor refers to a single memory location") and
+    ran under defer.  Meta kernels do not check; torch's CPU kernels raise for most writes into
+    an expanded tensor and run a few (fill_, zero_, masked_fill_); defer must do the same, on
+    a user tensor and on a deferred one (``check`` requires the same exception type)."""
+    def program(x, y):
+        base = x * 1 if deferred else x
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # (masked_fill_ on an expanded tensor is deprecated)
+            write(base.expand(3, 2), y)
+        return base
+    inputs = (torch.tensor([[1.0, -2.0]]), torch.tensor([[1.0, 2.0]] * 3))
+    raised = False
+    try:
+        program(*(t.clone() for t in inputs))
+    except RuntimeError:
+        raised = True
+    assert raised == strict_raises
+    check(program, *inputs)
+
+
+def test_a_refused_random_write_draws_no_numbers():
+    """Deciding that ``uniform_`` into an expanded tensor raises runs torch's kernel on stand-ins;
+    the user's generator must be where strict leaves it."""
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError):
+        torch.zeros(1, 2).expand(3, 2).uniform_()
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError), deferfuse.config.override(always_compile=True), deferfuse.defer():
+        (torch.zeros(1, 2) * 1).expand(3, 2).uniform_()
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_an_inplace_view_of_a_deferred_tensor_raises_what_strict_raises():
+    """Found by the deep program suite: ``(v0 * v0).t_()`` on a 3-D tensor raised AssertionError
+    (from t_'s meta kernel) where strict raises RuntimeError."""
+    with pytest.raises(RuntimeError, match="t_"):
+        with deferfuse.config.override(always_compile=True), deferfuse.defer():
+            x = torch.zeros(1, 2, 2)
+            (x * x).t_()

@@ -174,10 +174,12 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
         _CACHE[key] = _NO_META
         raise NoMeta(str(op)) from meta_error
     except Exception as meta_error:
-        if _raise_as_torch_would(op, args, kwargs, meta_error):
+        if raise_as_torch_would(op, args, kwargs, meta_error):
             _CACHE[key] = _NO_META
             raise NoMeta(str(op)) from meta_error
         raise
+    if device.type == "cpu" and _writes_overlapping_memory(op, args, kwargs):
+        _raise_as_the_cpu_kernel_does(op, args, kwargs)
     results = result if isinstance(result, (tuple, list)) else (result,)
     outs = tuple(_meta_of_output(r, device) for r in results)
     lowering = get_lowering(op)
@@ -290,7 +292,39 @@ def _empty_outputs_as_cpu_lays_them(op, outs: tuple, args: tuple, kwargs: dict) 
     return tuple(corrected)
 
 
-def _raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> bool:
+def _has_internal_overlap(m: TensorMeta) -> bool:
+    """Whether two elements of ``m`` are one memory location: a dim of more than one element
+    with stride 0 (an expanded tensor), the case torch's kernels detect."""
+    return any(size > 1 and stride == 0 for size, stride in zip(m.shape, m.stride))
+
+
+def _writes_overlapping_memory(op, args: tuple, kwargs: dict) -> bool:
+    """Whether the call writes a tensor whose elements overlap (``x.expand(3, 2).add_(1)``)."""
+    schema = op._schema
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.kwarg_only or i >= len(args) else args[i]
+        if isinstance(value, TensorMeta) and _has_internal_overlap(value):
+            return True
+    return False
+
+
+def _raise_as_the_cpu_kernel_does(op, args: tuple, kwargs: dict) -> None:
+    """Meta kernels do not check what a write into overlapping memory does; torch's CPU kernels
+    raise for most ops (``add_``, ``copy_``, ``exp_``, ``out=``) and run others (``fill_``,
+    ``index_put_``).  Run the op on zero-filled CPU tensors of the same layout and raise what
+    it raises (with the random number generator's state restored: an op that draws numbers must
+    not advance the user's)."""
+    real = _small_real_inputs(args, kwargs)
+    if real is None:
+        return
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")
+        op(*real[0], **real[1])
+
+
+def raise_as_torch_would(op, args: tuple, kwargs: dict, meta_error: Exception) -> bool:
     """Meta kernels sometimes raise another exception type than the real kernel (RuntimeError
     for IndexError), or reject a call the real kernel runs.  For small inputs, run the op on
     zero-filled CPU tensors of the same metadata and raise what it raises; True when it raised
@@ -341,4 +375,7 @@ def _walk(args: tuple, kwargs: dict):
 
 
 def clear_cache() -> None:
+    """Forget all inferred metadata, and with it which calls were sighted (a call is a first
+    sighting only while its metadata has never been inferred)."""
     _CACHE.clear()
+    _SIGHTED.clear()

@@ -872,7 +872,14 @@ class Recorder:
                 f"call deferfuse.sync() first or run this code under deferfuse.strict()")
         before = meta_.to_meta_tensor(target._meta)
         storage = _untyped_storage(before)
-        func(before, *args[1:], **kwargs)
+        try:
+            func(before, *args[1:], **kwargs)
+        except Exception as meta_error:
+            # (meta kernels raise other types than the CPU kernel: AssertionError for t_ of a
+            # 3-D tensor, where strict raises RuntimeError)
+            if meta_.raise_as_torch_would(func, (target._meta, *args[1:]), kwargs, meta_error):
+                return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.INPLACE_VIEW)
+            raise
         after_storage = _untyped_storage(before)
         reach = before.storage_offset() + sum((n - 1) * st for n, st in zip(before.shape, before.stride())) + 1
         if after_storage._cdata != storage._cdata or after_storage.nbytes() != storage.nbytes() \
