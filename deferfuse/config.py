@@ -81,6 +81,10 @@ _declare("fusion_fuel", int, -1,
 _declare("cache_dir", str,
          os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deferfuse"),
          "Folder of the on-disk executable cache; empty turns it off.")
+_declare("executable_cache_size", int, 512,
+         "How many compiled executables to keep in memory, least recently used dropped first "
+         "(each holds ~1.6 MB of compiled code on the CPU); 0 keeps all.  A dropped one that "
+         "comes back is loaded from the disk cache or compiled again.")
 _declare("eager_first_runs", int, 1,
          "Run a new graph signature eagerly (op by op in torch) this many times before its XLA "
          "executable is used; 0 compiles at first sight.  always_compile overrides.")

@@ -11,7 +11,7 @@ class Stats:
                  "fallbacks", "fallback_reasons", "decompositions", "eager_replays",
                  "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
-                 "eager_chosen", "unseen_ops_run", "lone_ops_run")
+                 "eager_chosen", "unseen_ops_run", "lone_ops_run", "executables_evicted")
 
     def __init__(self) -> None:
         self.reset()
@@ -38,6 +38,7 @@ class Stats:
         self.eager_chosen = 0
         self.unseen_ops_run = 0   # ops run at once on first sight (config: eager_unseen_ops)
         self.lone_ops_run = 0     # ops run at once where their flushes were lone (eager_lone_ops)
+        self.executables_evicted = 0   # least recently used executables dropped (executable_cache_size)
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

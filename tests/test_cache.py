@@ -208,3 +208,40 @@ def test_stablehlo_of_an_executable_loaded_from_disk(tmp_path):
         lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
         assert "stablehlo.tanh" in lines[0]["hlo"]
     assert lines[1]["disk_hits"] == 1 and lines[1]["compiles"] == 0
+
+
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_executables_in_memory_are_bounded_least_recently_used_first():
+    """Found as a crash: the deep program suite compiled thousands of graphs in one process,
+    each executable kept for good (~1.6 MB and 7 memory mappings), until XLA's compiler ran out
+    of mappings (vm.max_map_count) and segfaulted.  The cache keeps executable_cache_size of
+    them, dropping the least recently used; a hot signature stays, a dropped one still gives
+    the right result when it comes back, and the process's mappings stop growing."""
+    from deferfuse.exec import runtime
+    runtime.clear_cache()
+
+    def run(n: int) -> torch.Tensor:
+        x = torch.arange(n, dtype=torch.float32)
+        with deferfuse.defer():
+            y = (x * 0.5 + 2.0).tanh() * x
+        return y
+
+    with deferfuse.config.override(always_compile=True, cache_dir="", executable_cache_size=8):
+        hot = run(3)
+        deferfuse.reset_stats()
+        for n in range(4, 44):
+            run(n)
+            torch.testing.assert_close(run(3), hot)   # the hot graph, between every new one
+            if n == 24:
+                maps = _maps()
+        stats = deferfuse.stats()
+        assert stats["compiles"] == 40, stats   # the hot graph compiled once, before
+        assert stats["executables_evicted"] == 33   # 41 executables, 8 kept
+        assert len(runtime._EXECUTABLES) == 8
+        assert _maps() <= maps + 8   # (40 more compiles left the mappings where they were)
+        torch.testing.assert_close(run(4), (torch.arange(4.0) * 0.5 + 2.0).tanh() * torch.arange(4.0))
+        assert deferfuse.stats()["compiles"] == 41   # evicted, compiled again

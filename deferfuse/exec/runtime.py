@@ -9,6 +9,7 @@ floats given to ``Scalar`` parameters) are passed in, so they never change the k
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import logging
@@ -165,7 +166,31 @@ class _Compiled:
         self.relower: Optional[Callable[[], Any]] = None
 
 
-_EXECUTABLES: dict[Any, _Compiled] = {}
+# Executables by signature, least recently used first.  Bounded: each holds JIT-compiled code
+# (~1.6 MB and 7 memory mappings on the CPU), and a program whose shapes keep changing would
+# otherwise grow without end, until the process runs out of memory mappings (Linux's default
+# vm.max_map_count, 65530, is ~9,000 executables) and XLA's compiler crashes.  An evicted
+# signature that comes back is loaded from the disk cache, or compiled again.
+_EXECUTABLES: "collections.OrderedDict[Any, _Compiled]" = collections.OrderedDict()
+
+
+def _store(sig: Any, compiled: _Compiled) -> None:
+    _EXECUTABLES[sig] = compiled
+    limit = config.get("executable_cache_size")
+    while limit > 0 and len(_EXECUTABLES) > limit:
+        evicted, _ = _EXECUTABLES.popitem(last=False)
+        for per_signature in (_CHOICE, _EAGER_SECONDS, _XLA_SECONDS, _EAGER_RUNS):
+            per_signature.pop(evicted, None)
+        STATS.executables_evicted += 1
+
+
+def _bounded(per_signature: dict) -> dict:
+    """``per_signature``, emptied once it holds many times the executable cache's size of
+    entries (signatures that ran eagerly and never compiled: forgetting one costs it another
+    eager run or measurement)."""
+    if len(per_signature) > 8 * max(config.get("executable_cache_size"), 64):
+        per_signature.clear()
+    return per_signature
 
 
 def _x64():
@@ -311,7 +336,7 @@ _WORKER: Optional[threading.Thread] = None
 def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int) -> _Compiled:
     compiled = _compile(program, avals, n_scalars)
     compiled.signature = sig
-    _EXECUTABLES[sig] = compiled
+    _store(sig, compiled)
     diskcache.save(sig, compiled.executable, n_scalars, compiled.checks)
     return compiled
 
@@ -369,6 +394,7 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
     compiled = _EXECUTABLES.get(sig)
     if compiled is not None:
         STATS.cache_hits += 1
+        _EXECUTABLES.move_to_end(sig)
         return compiled
     eager_tier = not config.get("always_compile")
     runs = _SEEN.get(sig, 0)
@@ -377,7 +403,7 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
         # a graph seen once may never come back (a one-off script): no compile yet, and no
         # disk cache either (loading an executable means importing JAX, about a second)
         STATS.cache_misses += 1
-        _SEEN[sig] = runs + 1
+        _bounded(_SEEN)[sig] = runs + 1
         return None
     backend.prepare()   # (before JAX's backend is first used: loading, compiling)
     loaded = diskcache.load(sig)
@@ -385,7 +411,7 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
         compiled = _Compiled(*loaded)
         compiled.signature = sig
         compiled.relower = functools.partial(_lower, make_program(), _avals(leaves), n_scalars)
-        _EXECUTABLES[sig] = compiled
+        _store(sig, compiled)
         return compiled
     STATS.cache_misses += 1
     if eager_tier:
@@ -452,7 +478,7 @@ def observe_chosen_eager_time(sig: Any, seconds: float) -> None:
 
 def observe_eager_time(sig: Any, seconds: float) -> None:
     if sig is not None:
-        _EAGER_SECONDS[sig] = min(seconds, _EAGER_SECONDS.get(sig, seconds))
+        _bounded(_EAGER_SECONDS)[sig] = min(seconds, _EAGER_SECONDS.get(sig, seconds))
 
 
 def _observe_xla_time(sig: Any, seconds: float) -> None:
