@@ -1,4 +1,5 @@
-"""Executable caching: in memory, on disk across processes, and tiered execution."""
+"""Executable caching: in memory, on disk across processes, and tiered execution; the bounds of
+the in-memory caches."""
 
 import json
 import os
@@ -245,3 +246,17 @@ def test_executables_in_memory_are_bounded_least_recently_used_first():
         assert _maps() <= maps + 8   # (40 more compiles left the mappings where they were)
         torch.testing.assert_close(run(4), (torch.arange(4.0) * 0.5 + 2.0).tanh() * torch.arange(4.0))
         assert deferfuse.stats()["compiles"] == 41   # evicted, compiled again
+
+
+def test_the_metadata_cache_is_bounded(monkeypatch):
+    """A program whose shapes never repeat must not grow the metadata cache without end: past
+    its limit it is emptied, and inference goes on giving strict's metadata."""
+    from deferfuse.capture import meta
+    meta.clear_cache()
+    monkeypatch.setattr(meta, "_CACHE_LIMIT", 16)
+    with deferfuse.config.override(always_compile=True):
+        for n in range(1, 60):
+            with deferfuse.defer():
+                y = torch.ones(n, 2) * 2 + 1
+            assert y.shape == (n, 2) and torch.equal(y, torch.full((n, 2), 3.0))
+            assert len(meta._CACHE) <= 16

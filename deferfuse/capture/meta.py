@@ -37,6 +37,15 @@ class MetaEntry:
 
 
 _CACHE: dict[Any, Any] = {}   # key -> MetaEntry, or _NO_META
+# (a program whose shapes never repeat would grow it without end: past this many keys it is
+# emptied, which costs the keys still in use one inference each)
+_CACHE_LIMIT = 1 << 16
+
+
+def _remember(key: Any, entry: Any) -> None:
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.clear()
+    _CACHE[key] = entry
 
 
 class NoMeta(Exception):
@@ -171,11 +180,11 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
     except NotImplementedError as meta_error:
         # No meta kernel and no shape rule (or a data-dependent op, nonzero): only the real
         # kernel can say, and it raises the user's errors itself when it runs.
-        _CACHE[key] = _NO_META
+        _remember(key, _NO_META)
         raise NoMeta(str(op)) from meta_error
     except Exception as meta_error:
         if raise_as_torch_would(op, args, kwargs, meta_error):
-            _CACHE[key] = _NO_META
+            _remember(key, _NO_META)
             raise NoMeta(str(op)) from meta_error
         raise
     if device.type == "cpu" and _writes_overlapping_memory(op, args, kwargs):
@@ -202,7 +211,7 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
         if reason is not None:
             lowering = None
     entry = MetaEntry(outs, tensor_outs, lowering, reason, ctx)
-    _CACHE[key] = entry
+    _remember(key, entry)
     return entry
 
 
