@@ -384,7 +384,10 @@ def _walk(args: tuple, kwargs: dict):
 
 
 def clear_cache() -> None:
-    """Forget all inferred metadata, and with it which calls were sighted (a call is a first
-    sighting only while its metadata has never been inferred)."""
+    """Forget all inferred metadata, and with it what was learned per call: which calls were
+    sighted (a call is a first sighting only while its metadata has never been inferred) and
+    which places' flushes were lone."""
     _CACHE.clear()
     _SIGHTED.clear()
+    LONE_PLACES.clear()
+    LONE_OPS.clear()
