@@ -82,6 +82,12 @@ def show(spec: Spec, title: str, formula: str, probe: DeferProbe) -> bool:
 
     flushes = one_call.get("flushes", {}) or {}
     print(f"    strict: {aten_ops} aten ops, each its own kernel with its own pass over memory")
+    if one_call.get("blocks_run_at_once"):
+        from deferfuse.exec import blocks
+        place = next((c for c in blocks.choices()
+                      if c.place.endswith(f":{run_defer.__code__.co_firstlineno + 1}")), None)
+        print("    defer:  this block ran at once, as strict: at its place, deferred runs were "
+              "slower (eager_blocks)" + (f"; {place.describe()}" if place else ""))
     print(f"    defer:  {one_call.get('ops_recorded')} ops recorded -> "
           f"{_plural(sum(flushes.values()), 'flush')} {dict(flushes)} -> "
           f"{_plural(one_call.get('executions'), 'XLA execution')} "

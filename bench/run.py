@@ -4,9 +4,10 @@
     python -m bench.run --quick         # fewer sizes, shorter budgets, ~1-2 minutes
     python -m bench.run --only gelu     # workloads whose name contains "gelu"
 
-Columns: strict eager PyTorch, defer (deferfuse), jax.jit of the same computation written in
-JAX (our ceiling), torch.compile (Inductor), and the memory floor (one copy_ of the input
-bytes).  Times are medians in milliseconds of interleaved runs, in one process.  Results go to
+Columns: strict eager PyTorch, defer (deferfuse, default settings), deferred (deferfuse with
+the block tier off, eager_blocks=0: every block recorded and fused), jax.jit of the same
+computation written in JAX (our ceiling), torch.compile (Inductor), and the memory floor (one
+copy_ of the input bytes).  Times are medians in milliseconds of interleaved runs, in one process.  Results go to
 bench/results/<name>.json.
 """
 
@@ -20,7 +21,7 @@ from bench.harness import (Budget, Result, busy_machine_warning, machine_info,
                            private_executable_cache, save_results)
 from bench.workloads import DeferProbe, all_specs, run_cold_start, run_spec
 
-COLUMNS = ("strict", "defer", "jax", "compile", "floor")
+COLUMNS = ("strict", "defer", "deferred", "jax", "compile", "floor")
 SHORT_STATUS = {"unavailable": "n/a", "failed": "FAIL", "mismatch": "WRONG"}
 
 
@@ -60,12 +61,15 @@ def _ratio(numerator: float | None, denominator: float | None) -> str:
 
 
 def format_table(results: list[Result]) -> str:
-    header = ("workload", "size", *(f"{c} ms" for c in COLUMNS), "speed-up", "defer/jax")
+    header = ("workload", "size", *(f"{c} ms" for c in COLUMNS), "speed-up", "deferred speed-up",
+              "defer/jax")
     rows = [header]
     for result in results:
         defer = result.median("defer")
         rows.append((result.workload, result.size, *(_cell(result, c) for c in COLUMNS),
-                     _ratio(result.median("strict"), defer), _ratio(defer, result.median("jax"))))
+                     _ratio(result.median("strict"), defer),
+                     _ratio(result.median("strict"), result.median("deferred")),
+                     _ratio(defer, result.median("jax"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for index, row in enumerate(rows):
@@ -78,8 +82,9 @@ def format_table(results: list[Result]) -> str:
 
 
 def format_notes(results: list[Result]) -> str:
-    lines = ["speed-up = strict median / defer median (above 1x: defer is faster); "
-             "defer/jax = defer median / jax median (1x: we match hand-written JAX).",
+    lines = ["speed-up = strict median / defer median (above 1x: defer is faster); deferred "
+             "speed-up likewise for the deferred column; defer/jax = defer median / jax median "
+             "(1x: we match hand-written JAX).",
              "'!' = output disagrees with strict; '*' = see the warning below; "
              "n/a = not available; FAIL = raised (reasons below)."]
     reasons: dict[str, list[str]] = {}
@@ -98,7 +103,10 @@ def format_notes(results: list[Result]) -> str:
         stats = result.notes.get("defer_stats")
         if stats:
             lines.append(
-                f"  {label}: defer recorded {stats['ops_recorded_per_call']:.0f} ops/call, "
+                f"  {label}: defer ran {stats['blocks_run_at_once_per_call']:.2f} of its blocks at "
+                f"once per call; over its {stats['calls']} calls and deferred's "
+                f"{stats['deferred_calls']}, "
+                f"recorded {stats['ops_recorded_per_call']:.0f} ops/call, "
                 f"{stats['executions_per_call']:.2f} executions/call, "
                 f"{stats['flushes_per_call']:.2f} flushes/call {stats['flush_reasons']}, "
                 f"{stats['compiles']} compiles, {stats['cache_hits']} cache hits, "

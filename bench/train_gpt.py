@@ -13,7 +13,9 @@ single-tensor loop).  One step is ``zero_grad; loss = model(x, y); backward; ste
 Candidates, each with its own deep copy of the same initial model, run interleaved round by
 round through bench.harness (one step per call):
   strict          eager torch
-  defer           the same, each step inside ``with deferfuse.defer():`` (default settings)
+  defer           the same, each step inside ``with deferfuse.defer():`` (default settings: a
+                  step that runs faster at once than deferred runs at once, eager_blocks)
+  deferred        the same with eager_blocks off: every step recorded, fused and flushed
   compile         torch.compile (Inductor) of the model (forward + loss); AdamW eager
   compile-opt     the same, and torch.compile(opt.step) too
   jax             the same model and AdamW in JAX, value_and_grad + update under one jax.jit,
@@ -60,7 +62,7 @@ BATCH, SEQ = 8, 128
 LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.999), 1e-8
 N_BATCHES = 4
 CHECK_STEPS = 3
-COLUMNS = ("strict", "defer", "compile", "jax")
+COLUMNS = ("strict", "defer", "deferred", "compile", "jax")
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,6 +319,22 @@ def build_candidates(wanted: list[str], initial: GPT, batches, probe) -> tuple[l
                     return trainer.step()
                 candidates.append(Candidate(name, _logging_engines(run, trainer, probe.module),
                                             check=False, is_warm=probe.is_warm))
+            elif name == "deferred":
+                # defer with the block tier off (eager_blocks=False): every step is recorded,
+                # fused and flushed even where running it at once is faster
+                if probe.module is None:
+                    candidates.append(Candidate(name, None, unavailable=probe.unavailable))
+                    continue
+                deferfuse = probe.module
+
+                @contextlib.contextmanager
+                def always_deferred():
+                    with deferfuse.config.override(eager_blocks=False), deferfuse.defer():
+                        yield
+                trainers[name] = TorchTrainer(initial, batches, context=always_deferred)
+                candidates.append(Candidate(name, _logging_engines(trainers[name].step,
+                                                                   trainers[name], deferfuse),
+                                            check=False, is_warm=type(probe)().is_warm))
             elif name == "defer-mm-torch":
                 # not default settings: compute_engine="torch" keeps matmuls on torch's
                 # kernels between XLA groups (an experiment on where defer's time goes)
@@ -623,7 +641,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-ALL = ("strict", "defer", "compile", "compile-opt", "jax", "defer-mm-torch", "defer-loop")
+ALL = ("strict", "defer", "deferred", "compile", "compile-opt", "jax", "defer-mm-torch", "defer-loop")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -671,7 +689,7 @@ def run(args: argparse.Namespace, cache_dir: str) -> int:
     notes: dict[str, Any] = {"first_call_ms": {n: t.first_ms for n, t in timings.items()}}
     if "defer" in trainers and probe.calls and "defer-mm-torch" not in trainers:
         notes["defer_stats_warmup_and_timed"] = probe.per_call()
-    for name in ("defer", "defer-mm-torch"):
+    for name in ("defer", "deferred", "defer-mm-torch"):
         log = getattr(trainers.get(name), "engine_log", None)
         if log:
             timed = log[-len(timings[name].samples_ms):] if timings[name].samples_ms else []
@@ -766,7 +784,7 @@ def run(args: argparse.Namespace, cache_dir: str) -> int:
               f"{entry['max_loss_rel_diff_all']:.1e}, params max |diff| "
               f"{entry['param_max_abs_diff']:.1e} ({entry['param_diff_over_movement']:.1e} of "
               f"movement){'  PROBLEM: ' + '; '.join(entry['problems']) if entry['problems'] else ''}")
-    for name in ("defer", "defer-mm-torch"):
+    for name in ("defer", "deferred", "defer-mm-torch"):
         if f"{name}_timed_steps_counters" in notes:
             print(f"{name}: over its {len(timings[name].samples_ms)} timed steps: "
                   f"{notes[f'{name}_timed_steps_counters']}")

@@ -2,8 +2,10 @@
 
 A workload is a ``Spec``: the torch function, a factory for its inputs, the equivalent JAX
 function (our ceiling: the same computation written for XLA directly), and tolerances.
-``candidates(spec)`` turns it into the five columns: strict eager, defer, jax.jit,
-torch.compile (Inductor) and the memory floor (one ``copy_`` of as many bytes as the inputs).
+``candidates(spec)`` turns it into the six columns: strict eager, defer (deferfuse's default
+settings), deferred (defer with the block tier, ``eager_blocks``, off: every block recorded and
+fused, whatever it costs), jax.jit, torch.compile (Inductor) and the memory floor (one
+``copy_`` of as many bytes as the inputs).
 
 Inputs come from a seeded generator, so every candidate starts from equal values; a workload
 that mutates its inputs (the optimizer step) builds a separate set for each candidate, and its
@@ -204,7 +206,7 @@ class Spec:
     mutates_inputs: bool = False  # then each candidate gets its own make_inputs()
     rtol: float = 1e-4
     atol: float = 1e-5
-    columns: tuple[str, ...] = ("strict", "defer", "jax", "compile", "floor")
+    columns: tuple[str, ...] = ("strict", "defer", "deferred", "jax", "compile", "floor")
     left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # column -> why
     ops_per_call: int | None = None  # when set, the notes give microseconds per op
 
@@ -235,10 +237,12 @@ def _inputs_for(spec: Spec, shared: tuple) -> tuple:
 
 
 class DeferProbe:
-    """Counts the defer candidate's calls, so its deferfuse.stats() can be read per call."""
+    """Counts the calls of the two deferfuse candidates (defer, deferred), so their
+    deferfuse.stats() (one set of counters for both) can be read per call."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.deferred_calls = 0
         self._misses_seen = 0
         self.module = None
         self.unavailable: str | None = None
@@ -253,6 +257,7 @@ class DeferProbe:
 
     def reset(self) -> None:
         self.calls = 0
+        self.deferred_calls = 0
         self._misses_seen = 0
         if self.module is not None:
             self.module.reset_stats()
@@ -261,20 +266,33 @@ class DeferProbe:
         """True when no executable-cache miss happened since the last poll: every graph of
         the last call ran from the cache (or needed no XLA), the steady state we time."""
         misses = self.module.stats().get("cache_misses", 0)
-        warm = misses == self._misses_seen
+        warm = misses == self._misses_seen and not self._blocks_measuring()
         self._misses_seen = misses
         return warm
+
+    def _blocks_measuring(self) -> bool:
+        """Whether a defer block's place is still timing its two ways (eager_blocks): warm-up
+        goes on until it has chosen."""
+        try:
+            from deferfuse.exec import blocks
+        except ImportError:
+            return False
+        return any(c.phase in (blocks.Phase.MEASURE_DEFERRED, blocks.Phase.MEASURE_AT_ONCE)
+                   for c in blocks.choices())
 
     def per_call(self) -> dict[str, Any]:
         if self.module is None or self.calls == 0:
             return {}
         stats = self.module.stats()
         flushes = stats.get("flushes", {}) or {}
+        calls = self.calls + self.deferred_calls
         return {
             "calls": self.calls,
-            "ops_recorded_per_call": stats.get("ops_recorded", 0) / self.calls,
-            "executions_per_call": stats.get("executions", 0) / self.calls,
-            "flushes_per_call": sum(flushes.values()) / self.calls,
+            "deferred_calls": self.deferred_calls,
+            "blocks_run_at_once_per_call": stats.get("blocks_run_at_once", 0) / self.calls,
+            "ops_recorded_per_call": stats.get("ops_recorded", 0) / calls,
+            "executions_per_call": stats.get("executions", 0) / calls,
+            "flushes_per_call": sum(flushes.values()) / calls,
             "flush_reasons": dict(flushes),
             "compiles": stats.get("compiles"),
             "cache_hits": stats.get("cache_hits"),
@@ -311,6 +329,25 @@ def defer_candidate(spec: Spec, shared: tuple, probe: DeferProbe) -> Candidate:
         return run
 
     return _candidate("defer", spec, shared, make_runner, is_warm=probe.is_warm)
+
+
+def deferred_candidate(spec: Spec, shared: tuple, probe: DeferProbe) -> Candidate:
+    """defer with the block tier off: every block is recorded, fused and flushed."""
+    if probe.module is None:
+        return Candidate("deferred", None, unavailable=probe.unavailable)
+    deferfuse = probe.module
+    if "eager_blocks" not in deferfuse.config.settings():
+        return Candidate("deferred", None, unavailable="this deferfuse has no eager_blocks")
+
+    def make_runner(inputs):
+        def run():
+            probe.deferred_calls += 1
+            with deferfuse.config.override(eager_blocks=False), deferfuse.defer():
+                out = spec.torch_fn(*inputs)
+            return out
+        return run
+
+    return _candidate("deferred", spec, shared, make_runner, is_warm=probe.is_warm)
 
 
 def jax_candidate(spec: Spec, shared: tuple) -> Candidate:
@@ -354,6 +391,7 @@ def candidates(spec: Spec, probe: DeferProbe) -> list[Candidate]:
     builders = {
         "strict": lambda: strict_candidate(spec, shared),
         "defer": lambda: defer_candidate(spec, shared, probe),
+        "deferred": lambda: deferred_candidate(spec, shared, probe),
         "jax": lambda: jax_candidate(spec, shared),
         "compile": lambda: compile_candidate(spec, shared),
         "floor": lambda: floor_candidate(spec, shared),
@@ -364,7 +402,7 @@ def candidates(spec: Spec, probe: DeferProbe) -> list[Candidate]:
 
 def run_spec(spec: Spec, budget: Budget, probe: DeferProbe, verbose: bool = False) -> Result:
     def on_first_call(name: str) -> None:
-        if name == "defer":
+        if name == "defer" or name == "deferred" and probe.calls == 0:
             probe.reset()
 
     timings = compare(candidates(spec, probe), budget, rtol=spec.rtol, atol=spec.atol,
@@ -452,7 +490,7 @@ def per_op_spec() -> Spec:
     def make_inputs():
         return (_randn(_generator(), 64, 64),)
     return Spec("per-op", "200 ops 64x64", chained_ops, make_inputs,
-                columns=("strict", "defer"), ops_per_call=200)
+                columns=("strict", "defer", "deferred"), ops_per_call=200)
 
 
 GELU_SIZES_FULL = (10, 14, 18, 20, 22, 24)

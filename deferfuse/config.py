@@ -100,6 +100,11 @@ _declare("eager_lone_ops", bool, True,
          "recording it and flushing would only add their cost.  Once its result feeds a "
          "recorded op, the place is recorded again.  Needs lone_op_on_torch; always_compile "
          "turns it off.")
+_declare("eager_blocks", bool, True,
+         "Time each place in the code where a `with deferfuse.defer():` block starts, deferred "
+         "against at once (as strict: no mode, plain tensors), and run its blocks the faster way; "
+         "measured again from time to time and when a run's time drifts.  Only outermost defer "
+         "blocks; always_compile turns it off.  See deferfuse/exec/blocks.py.")
 _declare("background_compile", bool, True,
          "Compile new signatures on a background thread, so an eager run never waits for XLA.")
 _declare("xla_cpu_async_dispatch", bool, False,

@@ -18,11 +18,13 @@ import enum
 import gc
 import logging
 import os
+import sys
 import threading
 from typing import Iterator, Optional, Union
 
 from . import config
 from .errors import FlushReason, ModeError
+from .stats import STATS
 
 
 class EagerMode(enum.Enum):
@@ -237,8 +239,18 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
     live = _stack.live
     pushed = None
     suspended: list[tuple[EagerMode, object]] = []
+    block = None
     if target is EagerMode.DEFER:
-        if not (live and live[-1][0] is EagerMode.DEFER):
+        if not live and config.get("eager_blocks") and not config.get("always_compile"):
+            from .exec import blocks
+            block = blocks.choice_at(_with_statement_frame())
+            started = blocks.clock()
+            if block.runs_at_once:
+                STATS.blocks_run_at_once += 1
+            else:
+                unsteady = blocks.unsteady_count()
+                pushed = _push(EagerMode.DEFER)
+        elif not (live and live[-1][0] is EagerMode.DEFER):
             pushed = _push(EagerMode.DEFER)
     elif target is EagerMode.DEBUG:
         suspended = _suspend((EagerMode.DEFER,))
@@ -258,6 +270,22 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
                 _pop(pushed, ok=ok)
         finally:
             _resume(suspended)
+    if block is not None:   # (the block and its flush ended without an exception)
+        from .exec import blocks
+        block.finished(blocks.clock() - started,
+                       pushed is None or blocks.unsteady_count() == unsteady)
+
+
+_CONTEXTLIB = contextlib.__file__
+
+
+def _with_statement_frame():
+    """The frame of the ``with`` statement entering this block (contextlib's frames skipped:
+    it calls us from ``__enter__``, and from its wrapper when the block decorates a function)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename == _CONTEXTLIB:
+        frame = frame.f_back
+    return frame
 
 
 def defer():

@@ -131,6 +131,10 @@ def explain(last: Optional[int] = None) -> str:
                  f"{STATS.unseen_ops_run} seen for the first time at their place in the code "
                  f"(eager_unseen_ops), {STATS.lone_ops_run} where their flushes were lone "
                  f"(eager_lone_ops)")
+    from .exec.blocks import describe_all
+    blocks = describe_all()
+    if blocks:
+        text += "\n" + blocks
     return text
 
 

@@ -11,7 +11,8 @@ class Stats:
                  "fallbacks", "fallback_reasons", "decompositions", "eager_replays",
                  "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
-                 "eager_chosen", "unseen_ops_run", "lone_ops_run", "executables_evicted")
+                 "eager_chosen", "unseen_ops_run", "lone_ops_run", "executables_evicted",
+                 "blocks_run_at_once")
 
     def __init__(self) -> None:
         self.reset()
@@ -39,6 +40,7 @@ class Stats:
         self.unseen_ops_run = 0   # ops run at once on first sight (config: eager_unseen_ops)
         self.lone_ops_run = 0     # ops run at once where their flushes were lone (eager_lone_ops)
         self.executables_evicted = 0   # least recently used executables dropped (executable_cache_size)
+        self.blocks_run_at_once = 0    # defer blocks run as strict where that was faster (eager_blocks)
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -17,6 +17,10 @@ os.environ.setdefault("DEFERFUSE_EAGER_UNSEEN_OPS", "0")
 # a test's loop would stop recording after its first lone flush.  tests/test_unseen_ops.py
 # checks it.
 os.environ.setdefault("DEFERFUSE_EAGER_LONE_OPS", "0")
+# And a place whose defer blocks ran faster at once than deferred runs them at once (eager_blocks):
+# a test's loop would stop recording after its first few runs, and whether it did would depend on
+# this machine's load.  tests/test_blocks.py checks it, on a fake clock.
+os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
 
 # Hypothesis profiles: ``default`` (the normal run, well under a few minutes on 2 cores) and
 # ``deep`` (``HYPOTHESIS_PROFILE=deep``, as ``make test-deep`` does).  The program suite in

@@ -1,0 +1,185 @@
+"""The block tier: a ``with deferfuse.defer():`` block that runs faster at once runs at once.
+
+Deferring pays when fusion saves more memory passes than recording and flushing cost.  On a
+block of a few ops over small tensors, or of ops that torch runs on its own kernels anyway, it
+does not: recording costs ~10 µs an op, a flush ~0.1 ms, and the block ends slower than strict.
+The engine choice inside a flush (eager replay against XLA, ``autotune_engine``) cannot help
+there, because recording is paid before the flush sees the graph.  So the choice is made one
+level up, per place in the code where a block starts (the ``with`` line):
+
+1. the first runs there are deferred; once three of them ran *steady* (no compile, no cache miss,
+   no disk-cache load, no engine choice made: the steady state the program will stay in) their
+   times are kept;
+2. the next three run at once: the block runs under no deferfuse mode at all, which is strict
+   (plain tensors out, torch's kernels, nothing recorded);
+3. the faster of the two medians wins, ties to deferred.
+
+The choice is checked again after 64 runs, then after twice as many each time it holds (up to
+4096).  A run that takes over twice, or under half, the chosen way's median twice in a row
+means the block changed (a helper called with other shapes, say): the place measures again.
+A block running at once is strict mode itself, so results are exactly strict's; both ways are
+observationally equivalent, as every defer run is.  ``deferfuse.explain()`` lists each place's
+choice and its times; ``stats()["blocks_run_at_once"]`` counts the runs.
+
+Only an outermost defer block is chosen for (not one inside another defer or debug block, nor
+under ``TORCHTPU_MODE=defer``), and not with ``always_compile``.  The setting ``eager_blocks``
+turns the tier off.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import statistics
+import time
+from typing import Any, Optional
+
+from ..stats import STATS
+
+log = logging.getLogger("deferfuse")
+
+SAMPLES = 3             # timed runs of each way before choosing
+FIRST_RECHECK = 64      # runs after a choice before it is measured again
+LAST_RECHECK = 4096     # the longest wait, reached by doubling while a choice holds
+MAX_UNSTEADY = 16       # deferred runs that never settle: stay deferred until the recheck
+DRIFT = 2.0             # a run this many times off the chosen way's median is an outlier
+_MAX_PLACES = 4096      # the table is emptied past this many places
+
+clock = time.perf_counter   # (tests drive the tier with a fake clock)
+
+
+class Phase(enum.Enum):
+    MEASURE_DEFERRED = "measuring deferred"
+    MEASURE_AT_ONCE = "measuring at once"
+    DEFERRED = "deferred"
+    AT_ONCE = "at once"
+
+
+def unsteady_count() -> int:
+    """Grows whenever a flush did something a steady, warmed-up run does not."""
+    s = STATS
+    # (not eager_replays: a graph whose engine choice is torch's kernels replays eagerly for good;
+    # an eager run of a graph not compiled yet counts a cache miss)
+    return (s.compiles + s.cache_misses + s.background_compiles + s.disk_cache_hits
+            + s.unseen_ops_run + s.eager_chosen)
+
+
+class BlockChoice:
+    """What one place in the code chose, and the times it chose from."""
+
+    __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
+                 "outliers", "choices", "last")
+
+    def __init__(self, place: str) -> None:
+        self.place = place
+        self.recheck = FIRST_RECHECK
+        self.choices = 0
+        self.last: Optional[Phase] = None   # the previous choice, while it is being rechecked
+        self._measure_again()
+
+    def _measure_again(self) -> None:
+        self.phase = Phase.MEASURE_DEFERRED
+        self.deferred: list[float] = []
+        self.at_once: list[float] = []
+        self.unsteady = 0
+        self.runs = 0
+        self.outliers = 0
+
+    @property
+    def runs_at_once(self) -> bool:
+        return self.phase is Phase.AT_ONCE or self.phase is Phase.MEASURE_AT_ONCE
+
+    def finished(self, seconds: float, steady: bool) -> None:
+        """A run of the block ended without an exception, after ``seconds``; ``steady`` says
+        whether a deferred run compiled nothing (runs at once are always steady)."""
+        phase = self.phase
+        if phase is Phase.MEASURE_DEFERRED:
+            if steady:
+                self.deferred.append(seconds)
+                if len(self.deferred) == SAMPLES:
+                    self.phase = Phase.MEASURE_AT_ONCE
+            else:
+                self.unsteady += 1
+                if self.unsteady > MAX_UNSTEADY:
+                    self._choose(Phase.DEFERRED)
+        elif phase is Phase.MEASURE_AT_ONCE:
+            self.at_once.append(seconds)
+            if len(self.at_once) == SAMPLES:
+                faster = statistics.median(self.at_once) < statistics.median(self.deferred)
+                self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
+        else:
+            self.runs += 1
+            if self.runs >= self.recheck:
+                self._measure_again()
+            elif steady:
+                self._watch_for_drift(seconds)
+
+    def _choose(self, phase: Phase) -> None:
+        # a choice that held when measured again is checked half as often
+        self.recheck = min(2 * self.recheck, LAST_RECHECK) if phase is self.last else FIRST_RECHECK
+        self.last = phase
+        self.phase = phase
+        self.runs = 0
+        self.outliers = 0
+        self.choices += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("block at %s: %s", self.place, self.describe())
+
+    def _watch_for_drift(self, seconds: float) -> None:
+        samples = self.at_once if self.phase is Phase.AT_ONCE else self.deferred
+        if not samples:
+            return   # (deferred because its runs never settled: the recheck measures again)
+        median = statistics.median(samples)
+        if seconds > DRIFT * median or seconds * DRIFT < median:
+            self.outliers += 1
+            if self.outliers >= 2:
+                self.last = None
+                self._measure_again()
+        else:
+            self.outliers = 0
+
+    def describe(self) -> str:
+        def ms(samples: list[float]) -> str:
+            return f"{statistics.median(samples) * 1e3:.3g} ms" if samples else "-"
+        if self.phase is Phase.DEFERRED and len(self.deferred) < SAMPLES:
+            why = f"its deferred runs kept compiling ({self.unsteady} unsteady runs)"
+        else:
+            why = (f"deferred {ms(self.deferred)}, at once {ms(self.at_once)} "
+                   f"(medians of {len(self.deferred)} and {len(self.at_once)} runs)")
+        if self.phase in (Phase.DEFERRED, Phase.AT_ONCE):
+            return f"{self.phase.value}: {why}; checked again in {self.recheck - self.runs} runs"
+        return f"{self.phase.value}: {why}"
+
+
+_PLACES: dict[Any, BlockChoice] = {}
+
+
+def choice_at(frame: Any) -> BlockChoice:
+    """The choice for the block whose ``with`` statement runs in ``frame``."""
+    key = (frame.f_code, frame.f_lineno)
+    found = _PLACES.get(key)
+    if found is None:
+        if len(_PLACES) >= _MAX_PLACES:
+            _PLACES.clear()
+        found = _PLACES[key] = BlockChoice(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+    return found
+
+
+def choices() -> list[BlockChoice]:
+    return list(_PLACES.values())
+
+
+def forget() -> None:
+    """Every place measures again (reset_stats() does not call this; tests do)."""
+    _PLACES.clear()
+
+
+def describe_all() -> Optional[str]:
+    known = [c for c in _PLACES.values() if c.choices or c.phase is not Phase.MEASURE_DEFERRED
+             or c.deferred]
+    if not known:
+        return None
+    lines = [f"defer blocks by place (eager_blocks): {STATS.blocks_run_at_once} block run(s) at "
+             f"once since the last reset_stats()"]
+    lines += [f"  {c.place}: {c.describe()}" for c in known]
+    return "\n".join(lines)

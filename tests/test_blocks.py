@@ -1,0 +1,292 @@
+"""The block tier (eager_blocks, on by default): a place in the code whose defer blocks run faster
+at once (as strict) runs them at once.
+
+tests/conftest.py turns the setting off for the rest of the suite (a test's loop would otherwise
+stop recording after a few runs), so these tests turn it on.  Times come from a fake clock that the
+block's body advances, by one amount when it runs deferred and another when it runs at once, so
+that every choice here is decided by the test and not by this machine's load.
+"""
+
+import pytest
+import torch
+
+import deferfuse
+from deferfuse import config
+from deferfuse.capture.tensor import DeferredTensor
+from deferfuse.exec import blocks
+from deferfuse.exec.blocks import Phase
+from deferfuse.modes import active_recorder
+
+
+class FakeClock:
+    """blocks.clock, moved on by the blocks themselves: ``spend()`` adds ``deferred`` seconds when
+    called inside a recording defer block and ``at_once`` seconds otherwise."""
+
+    def __init__(self, deferred: float, at_once: float) -> None:
+        self.now = 0.0
+        self.deferred = deferred
+        self.at_once = at_once
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self) -> None:
+        self.now += self.deferred if active_recorder() is not None else self.at_once
+
+
+@pytest.fixture
+def tier(monkeypatch):
+    """eager_blocks on, a fresh table of places; returns a function making a fake clock."""
+    blocks.forget()
+
+    def make(deferred: float, at_once: float) -> FakeClock:
+        clock = FakeClock(deferred, at_once)
+        monkeypatch.setattr(blocks, "clock", clock)
+        return clock
+
+    with config.override(eager_blocks=True, always_compile=False, eager_first_runs=1,
+                         background_compile=False):
+        yield make
+    blocks.forget()
+
+
+def _block(x: torch.Tensor, clock: FakeClock) -> torch.Tensor:
+    with deferfuse.defer():
+        clock.spend()
+        y = torch.tanh(x * 0.75 + 0.5) * x
+    return y
+
+
+def _only_place() -> blocks.BlockChoice:
+    [choice] = blocks.choices()
+    return choice
+
+
+def _strict(x):
+    return torch.tanh(x * 0.75 + 0.5) * x
+
+
+def test_a_place_faster_at_once_runs_its_blocks_at_once(tier):
+    clock = tier(deferred=1.0, at_once=0.25)
+    x = torch.randn(31, 17)   # (a shape no other test runs: the first runs compile)
+    deferfuse.reset_stats()
+    phases, types = [], []
+    for _ in range(12):
+        y = _block(x, clock)
+        phases.append(_only_place().phase)
+        types.append(type(y))
+        torch.testing.assert_close(y, _strict(x))
+    # the first runs run a new graph eagerly, then compile (not timed); three steady runs are
+    # timed deferred, three at once, and from then on it runs at once
+    k = types.index(torch.Tensor)
+    assert k == 5 and set(types[:k]) == {DeferredTensor} and set(types[k:]) == {torch.Tensor}
+    assert set(phases[:k - 1]) == {Phase.MEASURE_DEFERRED}
+    assert phases[k - 1:k + 2] == [Phase.MEASURE_AT_ONCE] * 3
+    assert set(phases[k + 2:]) == {Phase.AT_ONCE}
+    assert deferfuse.stats()["blocks_run_at_once"] == 12 - k
+    # a block at once is strict itself: bit for bit
+    assert torch.equal(y, _strict(x))
+    text = deferfuse.explain()
+    assert f"{__file__}:" in text and "at once: deferred 1e+03 ms, at once 250 ms" in text
+
+
+def test_a_place_faster_deferred_keeps_deferring(tier):
+    clock = tier(deferred=0.25, at_once=1.0)
+    x = torch.randn(37, 11)
+    types = []
+    for _ in range(12):
+        y = _block(x, clock)
+        types.append(type(y))
+        torch.testing.assert_close(y, _strict(x))
+    assert _only_place().phase is Phase.DEFERRED
+    assert types[5:8] == [torch.Tensor] * 3 and set(types[8:]) == {DeferredTensor}
+    assert "deferred: deferred 250 ms, at once 1e+03 ms" in deferfuse.explain()
+
+
+def _decided(tier, deferred: float, at_once: float, x: torch.Tensor):
+    clock = tier(deferred, at_once)
+    for _ in range(20):
+        _block(x, clock)
+        if _only_place().phase in (Phase.AT_ONCE, Phase.DEFERRED):
+            break
+    choice = _only_place()
+    assert choice.phase is (Phase.AT_ONCE if at_once < deferred else Phase.DEFERRED)
+    return clock, choice
+
+
+def test_two_runs_far_off_the_chosen_median_measure_again(tier):
+    x = torch.randn(37, 11)
+    clock, choice = _decided(tier, 1.0, 0.25, x)
+    clock.at_once = 5.0          # one slow run is noise ...
+    _block(x, clock)
+    clock.at_once = 0.25
+    _block(x, clock)
+    assert choice.phase is Phase.AT_ONCE
+    clock.at_once = 5.0          # ... two in a row mean the block changed
+    _block(x, clock)
+    _block(x, clock)
+    assert choice.phase is Phase.MEASURE_DEFERRED
+    for _ in range(6):
+        _block(x, clock)
+    assert choice.phase is Phase.DEFERRED and type(_block(x, clock)) is DeferredTensor
+
+
+def test_a_choice_is_checked_again_and_less_often_while_it_holds(tier, monkeypatch):
+    monkeypatch.setattr(blocks, "FIRST_RECHECK", 4)
+    x = torch.randn(37, 11)
+    clock, choice = _decided(tier, 1.0, 0.25, x)
+    assert choice.recheck == 4
+    for _ in range(4 - choice.runs):
+        _block(x, clock)
+    assert choice.phase is Phase.MEASURE_DEFERRED
+    seen = []
+    for _ in range(6 + 7):
+        y = _block(x, clock)
+        seen.append((choice.phase, type(y)))
+    # measured again (3 deferred runs, 3 at once, the graph compiled already), then 7 of the 8 runs at once before the next check
+    assert seen[:2] == [(Phase.MEASURE_DEFERRED, DeferredTensor)] * 2
+    assert seen[2:5] == [(Phase.MEASURE_AT_ONCE, DeferredTensor)] + [(Phase.MEASURE_AT_ONCE, torch.Tensor)] * 2
+    assert seen[5] == (Phase.AT_ONCE, torch.Tensor) and choice.recheck == 8
+    assert set(seen[6:]) == {(Phase.AT_ONCE, torch.Tensor)}
+
+
+def test_a_raising_block_is_not_timed_and_its_error_is_the_users(tier):
+    run = _at_once_block(tier)
+    [choice] = blocks.choices()
+    runs = choice.runs
+    with pytest.raises(RuntimeError, match="size of tensor a"):
+        run(lambda: torch.randn(3) + torch.randn(4))
+    for _ in range(2):
+        with pytest.raises(ZeroDivisionError):
+            run(lambda: 1 / 0)
+    assert choice.phase is Phase.AT_ONCE and choice.runs == runs
+    blocks.forget()
+    clock = tier(1.0, 0.25)
+    with pytest.raises(RuntimeError, match="broadcast"):
+        with deferfuse.defer():
+            clock.spend()
+            (torch.randn(3) * 2) + torch.randn(4)
+    [choice] = blocks.choices()
+    assert choice.phase is Phase.MEASURE_DEFERRED and not choice.deferred and not choice.unsteady
+
+
+def test_runs_that_keep_compiling_stay_deferred(tier):
+    clock = tier(1.0, 0.25)
+    for n in range(blocks.MAX_UNSTEADY + 1):
+        x = torch.randn(n + 2, 3)
+        y = _block(x, clock)      # a new shape every run: each runs a new graph
+        torch.testing.assert_close(y, _strict(x))
+    choice = _only_place()
+    assert choice.phase is Phase.DEFERRED and not choice.deferred
+    assert "its deferred runs kept compiling" in choice.describe()
+
+
+def _at_once_block(tier):
+    """A place decided at once, and its clock: the block ``body`` runs there when called."""
+    clock = tier(1.0, 0.25)
+
+    def run(body):
+        with deferfuse.defer():
+            clock.spend()
+            return body()
+
+    x = torch.randn(4)
+    for _ in range(20):   # (new graphs, compiles and engine choices are not timed)
+        run(lambda: x * 2 + 1)
+        if blocks.choices()[0].phase is Phase.AT_ONCE:
+            break
+    assert [c.phase for c in blocks.choices()] == [Phase.AT_ONCE]
+    return run
+
+
+def test_blocks_at_once_keep_training_semantics(tier):
+    run = _at_once_block(tier)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    reference = torch.nn.Linear(5, 3)
+    reference.load_state_dict(model.state_dict())
+    weight, view = model.weight, model.weight[0]
+    x = torch.randn(7, 5)
+
+    def step(m):
+        loss = m(x).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+        return loss
+
+    for _ in range(3):
+        loss = run(lambda: step(model))
+        expected = step(reference)
+        assert type(loss) is torch.Tensor and loss.item() == expected.item()
+    assert model.weight is weight and torch.equal(view, model.weight[0])
+    assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias)
+
+
+def test_blocks_at_once_take_deferred_results_and_see_defer_mode(tier):
+    run = _at_once_block(tier)
+    x = torch.randn(6, 4)
+    with deferfuse.defer():
+        pending = (x + 1).cos()             # another place: deferred, computed at its exit
+    assert type(pending) is DeferredTensor
+
+    def body():
+        assert deferfuse.get_mode() is deferfuse.EagerMode.DEFER and active_recorder() is None
+        deferfuse.sync()
+        out = pending.sum(0) * 2
+        with deferfuse.defer():             # a nested block is chosen for at its own place
+            inner = out + 1
+        return inner
+
+    out = run(body)
+    torch.testing.assert_close(out, (x + 1).cos().sum(0) * 2 + 1)
+
+
+def test_blocks_inside_other_blocks_and_under_settings_are_not_chosen_for(tier):
+    clock = tier(1.0, 0.25)
+    x = torch.randn(5)
+    with deferfuse.debug():
+        for _ in range(10):
+            _block(x, clock)
+    with config.override(always_compile=True):
+        for _ in range(10):
+            _block(x, clock)
+    with config.override(eager_blocks=False):
+        for _ in range(10):
+            _block(x, clock)
+    assert blocks.choices() == []
+    with deferfuse.defer():
+        for _ in range(10):
+            y = _block(x, clock)
+            assert type(y) is DeferredTensor
+    [outer] = blocks.choices()   # (the outer block is chosen for; the inner ones are not)
+    assert not outer.place.endswith(f":{_block.__code__.co_firstlineno + 1}")
+
+
+def test_a_decorated_function_is_chosen_for_at_each_call_site(tier):
+    clock = tier(1.0, 0.25)
+
+    @deferfuse.defer()
+    def f(x):
+        clock.spend()
+        return x * 3
+
+    x = torch.randn(5)
+    for _ in range(8):
+        f(x)
+    for _ in range(2):
+        f(x)
+    places = sorted(c.place for c in blocks.choices())
+    assert len(places) == 2 and all(p.startswith(__file__ + ":") for p in places)
+    assert {c.phase for c in blocks.choices()} == {Phase.AT_ONCE, Phase.MEASURE_DEFERRED}
+
+
+def test_the_table_of_places_is_bounded(tier, monkeypatch):
+    monkeypatch.setattr(blocks, "_MAX_PLACES", 3)
+    tier(1.0, 0.25)
+    for line in range(5):
+        source = "\n" * line + "with deferfuse.defer():\n    y = x + 1"
+        exec(compile(source, "<places>", "exec"), {"deferfuse": deferfuse, "x": torch.randn(5)})
+    assert 1 <= len(blocks.choices()) <= 3
