@@ -20,7 +20,7 @@ round through bench.harness (one step per call):
   compile-opt     the same, and torch.compile(opt.step) too
   jax             the same model and AdamW in JAX, value_and_grad + update under one jax.jit,
                   initialised from the torch weights
-  defer-mm-torch  defer with compute_engine="torch" (matmuls on torch's kernels): not a
+  defer-mm-torch  deferred with compute_engine="torch" (matmuls on torch's kernels): not a
                   default setting, an experiment on where defer's time goes
 and ``defer-loop``: one ``defer()`` context around a block of steps, the way a training script
 is written.  It cannot be interleaved step by step (a dispatch mode left open would capture the
@@ -334,7 +334,7 @@ def build_candidates(wanted: list[str], initial: GPT, batches, probe) -> tuple[l
                 trainers[name] = TorchTrainer(initial, batches, context=always_deferred)
                 candidates.append(Candidate(name, _logging_engines(trainers[name].step,
                                                                    trainers[name], deferfuse),
-                                            check=False, is_warm=type(probe)().is_warm))
+                                            check=False, is_warm=type(probe)().cache_is_warm))
             elif name == "defer-mm-torch":
                 # not default settings: compute_engine="torch" keeps matmuls on torch's
                 # kernels between XLA groups (an experiment on where defer's time goes)
@@ -346,12 +346,13 @@ def build_candidates(wanted: list[str], initial: GPT, batches, probe) -> tuple[l
 
                 @contextlib.contextmanager
                 def mm_on_torch():
-                    with deferfuse.config.override(compute_engine="torch"), deferfuse.defer():
+                    with deferfuse.config.override(compute_engine="torch", eager_blocks=False), \
+                            deferfuse.defer():
                         yield
                 trainers[name] = TorchTrainer(initial, batches, context=mm_on_torch)
                 candidates.append(Candidate(name, _logging_engines(trainers[name].step,
                                                                    trainers[name], deferfuse),
-                                            check=False, is_warm=own_probe.is_warm))
+                                            check=False, is_warm=own_probe.cache_is_warm))
             elif name in ("compile", "compile-opt"):
                 torch._dynamo.reset()
                 trainer = TorchTrainer(initial, batches)

@@ -256,17 +256,29 @@ class DeferProbe:
             self.unavailable = "deferfuse not usable: " + short_reason(exc)
 
     def reset(self) -> None:
+        """Zero the counters, and forget the block tier's choices: every workload is timed as
+        if it had its own ``with`` line (the candidates share one), from its own measurements."""
         self.calls = 0
         self.deferred_calls = 0
         self._misses_seen = 0
         if self.module is not None:
             self.module.reset_stats()
+            try:
+                from deferfuse.exec import blocks
+            except ImportError:
+                return
+            blocks.forget()
 
     def is_warm(self) -> bool:
         """True when no executable-cache miss happened since the last poll: every graph of
         the last call ran from the cache (or needed no XLA), the steady state we time."""
+        return self.cache_is_warm() and not self._blocks_measuring()
+
+    def cache_is_warm(self) -> bool:
+        """is_warm for the deferred candidate, whose blocks are never chosen for (and the defer
+        candidate's place cannot finish measuring while another candidate warms up)."""
         misses = self.module.stats().get("cache_misses", 0)
-        warm = misses == self._misses_seen and not self._blocks_measuring()
+        warm = misses == self._misses_seen
         self._misses_seen = misses
         return warm
 
@@ -347,7 +359,7 @@ def deferred_candidate(spec: Spec, shared: tuple, probe: DeferProbe) -> Candidat
             return out
         return run
 
-    return _candidate("deferred", spec, shared, make_runner, is_warm=probe.is_warm)
+    return _candidate("deferred", spec, shared, make_runner, is_warm=probe.cache_is_warm)
 
 
 def jax_candidate(spec: Spec, shared: tuple) -> Candidate:

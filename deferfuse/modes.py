@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Union
 
 from . import config
 from .errors import FlushReason, ModeError
+from .exec import blocks
 from .stats import STATS
 
 
@@ -242,7 +243,6 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
     block = None
     if target is EagerMode.DEFER:
         if not live and config.get("eager_blocks") and not config.get("always_compile"):
-            from .exec import blocks
             block = blocks.choice_at(_with_statement_frame())
             started = blocks.clock()
             if block.runs_at_once:
@@ -271,7 +271,6 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
         finally:
             _resume(suspended)
     if block is not None:   # (the block and its flush ended without an exception)
-        from .exec import blocks
         block.finished(blocks.clock() - started,
                        pushed is None or blocks.unsteady_count() == unsteady)
 

@@ -15,8 +15,11 @@ level up, per place in the code where a block starts (the ``with`` line):
 3. the faster of the two medians wins, ties to deferred.
 
 The choice is checked again after 64 runs, then after twice as many each time it holds (up to
-4096).  A run that takes over twice, or under half, the chosen way's median twice in a row
-means the block changed (a helper called with other shapes, say): the place measures again.
+4096).  A run that takes over twice, or under half, the chosen way's median (and 0.2 ms more or
+less: tiny blocks jitter by 2x) twice in a row means the block changed (a helper called with
+other shapes, say): the place measures again.  A place whose deferred runs never settle (64 of
+them compiled or met a new graph, not counting runs while a background compile is pending: new
+shapes every time, say) stays deferred until its recheck.
 A block running at once is strict mode itself, so results are exactly strict's; both ways are
 observationally equivalent, as every defer run is.  ``deferfuse.explain()`` lists each place's
 choice and its times; ``stats()["blocks_run_at_once"]`` counts the runs.
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import logging
-import statistics
+import sys
 import time
 from typing import Any, Optional
 
@@ -41,8 +44,9 @@ log = logging.getLogger("deferfuse")
 SAMPLES = 3             # timed runs of each way before choosing
 FIRST_RECHECK = 64      # runs after a choice before it is measured again
 LAST_RECHECK = 4096     # the longest wait, reached by doubling while a choice holds
-MAX_UNSTEADY = 16       # deferred runs that never settle: stay deferred until the recheck
-DRIFT = 2.0             # a run this many times off the chosen way's median is an outlier
+MAX_UNSTEADY = 64       # deferred runs that never settle: stay deferred until the recheck
+DRIFT = 2.0             # a run this many times off the chosen way's median is an outlier ...
+DRIFT_FLOOR = 2e-4      # ... and this many seconds off it (a 0.1 ms block jitters by 2x)
 _MAX_PLACES = 4096      # the table is emptied past this many places
 
 clock = time.perf_counter   # (tests drive the tier with a fake clock)
@@ -64,11 +68,22 @@ def unsteady_count() -> int:
             + s.unseen_ops_run + s.eager_chosen)
 
 
+def _median(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _compiles_pending() -> bool:
+    runtime = sys.modules.get("deferfuse.exec.runtime")   # (not imported: nothing compiled yet)
+    return runtime is not None and runtime.compiles_pending()
+
+
 class BlockChoice:
     """What one place in the code chose, and the times it chose from."""
 
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
-                 "outliers", "choices", "last")
+                 "outliers", "choices", "last", "median")
 
     def __init__(self, place: str) -> None:
         self.place = place
@@ -79,6 +94,7 @@ class BlockChoice:
 
     def _measure_again(self) -> None:
         self.phase = Phase.MEASURE_DEFERRED
+        self.median: Optional[float] = None   # the chosen way's, once chosen on times
         self.deferred: list[float] = []
         self.at_once: list[float] = []
         self.unsteady = 0
@@ -98,14 +114,14 @@ class BlockChoice:
                 self.deferred.append(seconds)
                 if len(self.deferred) == SAMPLES:
                     self.phase = Phase.MEASURE_AT_ONCE
-            else:
+            elif not _compiles_pending():   # (a background compile settles by itself)
                 self.unsteady += 1
                 if self.unsteady > MAX_UNSTEADY:
                     self._choose(Phase.DEFERRED)
         elif phase is Phase.MEASURE_AT_ONCE:
             self.at_once.append(seconds)
             if len(self.at_once) == SAMPLES:
-                faster = statistics.median(self.at_once) < statistics.median(self.deferred)
+                faster = _median(self.at_once) < _median(self.deferred)
                 self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
         else:
             self.runs += 1
@@ -119,6 +135,8 @@ class BlockChoice:
         self.recheck = min(2 * self.recheck, LAST_RECHECK) if phase is self.last else FIRST_RECHECK
         self.last = phase
         self.phase = phase
+        samples = self.at_once if phase is Phase.AT_ONCE else self.deferred
+        self.median = _median(samples) if samples else None
         self.runs = 0
         self.outliers = 0
         self.choices += 1
@@ -126,11 +144,11 @@ class BlockChoice:
             log.debug("block at %s: %s", self.place, self.describe())
 
     def _watch_for_drift(self, seconds: float) -> None:
-        samples = self.at_once if self.phase is Phase.AT_ONCE else self.deferred
-        if not samples:
+        median = self.median
+        if median is None:
             return   # (deferred because its runs never settled: the recheck measures again)
-        median = statistics.median(samples)
-        if seconds > DRIFT * median or seconds * DRIFT < median:
+        if (seconds > DRIFT * median or seconds * DRIFT < median) \
+                and abs(seconds - median) > DRIFT_FLOOR:
             self.outliers += 1
             if self.outliers >= 2:
                 self.last = None
@@ -140,7 +158,7 @@ class BlockChoice:
 
     def describe(self) -> str:
         def ms(samples: list[float]) -> str:
-            return f"{statistics.median(samples) * 1e3:.3g} ms" if samples else "-"
+            return f"{_median(samples) * 1e3:.3g} ms" if samples else "-"
         if self.phase is Phase.DEFERRED and len(self.deferred) < SAMPLES:
             why = f"its deferred runs kept compiling ({self.unsteady} unsteady runs)"
         else:

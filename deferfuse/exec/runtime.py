@@ -356,6 +356,11 @@ def _background_worker() -> None:
             _COMPILING.discard(sig)
 
 
+def compiles_pending() -> bool:
+    """Whether the background thread has signatures queued or compiling."""
+    return bool(_COMPILING)
+
+
 def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
     global _WORKER
     if sig in _COMPILING:
