@@ -14,10 +14,15 @@ bench.lone_op.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
 import torch
+
+# The block tier off (before deferfuse reads its settings): this script times the deferred path,
+# which a block measured faster at once would skip.
+os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
 
 import deferfuse
 from bench import workloads

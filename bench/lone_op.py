@@ -12,11 +12,16 @@ checks plus torch's kernel), and leaving it.  Medians in milliseconds.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
 import torch
 import torch.nn.functional as F
+
+# The block tier off (before deferfuse reads its settings): this script times the deferred path,
+# which a block measured faster at once would skip.
+os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
 
 import deferfuse
 from bench.harness import print_medians

@@ -12,7 +12,8 @@ medians and minimums.  The table shows each figure's median over the rounds.
 Cases (the ``make bench`` workloads at their sizes): 200 chained ops on 64x64, an AdamW step over
 50 tensors of 64x1024, the GELU-tanh chain on 2^16 and 2^18 floats, LayerNorm on 4096x1024.
 Per case: strict (median, min), the whole defer block (median, min), and recording alone (the
-block's body, thread CPU time, min), in milliseconds.
+block's body, thread CPU time, min), in milliseconds.  Blocks are always deferred
+(``DEFERFUSE_EAGER_BLOCKS=0``): these are the costs of the deferred path.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def _worktree(revision: str, where: str) -> str:
 
 
 def _run_probe(tree: str, samples: int, cache_dir: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=tree, DEFERFUSE_CACHE_DIR=cache_dir)
+    # (the block tier off, in revisions that have it: the probe times the deferred path)
+    env = dict(os.environ, PYTHONPATH=tree, DEFERFUSE_CACHE_DIR=cache_dir, DEFERFUSE_EAGER_BLOCKS="0")
     # (the probe is this file's, so an old revision without it can be measured too)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", "--samples", str(samples)],
                          cwd=tree, env=env, capture_output=True, text=True, check=True)
