@@ -12,7 +12,8 @@ level up, per place in the code where a block starts (the ``with`` line):
    times are kept;
 2. the next three run at once: the block runs under no deferfuse mode at all, which is strict
    (plain tensors out, torch's kernels, nothing recorded);
-3. the faster of the two medians wins, ties to deferred.
+3. the way with the faster best run wins, ties to deferred (a busy machine only adds time, so
+   the best of three is steadier than their median, which one spike can move).
 
 The choice is checked again after 64 runs, then after twice as many each time it holds (up to
 4096).  A run that takes over twice, or under half, the chosen way's median (and 0.2 ms more or
@@ -121,7 +122,7 @@ class BlockChoice:
         elif phase is Phase.MEASURE_AT_ONCE:
             self.at_once.append(seconds)
             if len(self.at_once) == SAMPLES:
-                faster = _median(self.at_once) < _median(self.deferred)
+                faster = min(self.at_once) < min(self.deferred)
                 self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
         else:
             self.runs += 1
@@ -158,12 +159,12 @@ class BlockChoice:
 
     def describe(self) -> str:
         def ms(samples: list[float]) -> str:
-            return f"{_median(samples) * 1e3:.3g} ms" if samples else "-"
+            return f"{min(samples) * 1e3:.3g} ms" if samples else "-"
         if self.phase is Phase.DEFERRED and len(self.deferred) < SAMPLES:
             why = f"its deferred runs kept compiling ({self.unsteady} unsteady runs)"
         else:
             why = (f"deferred {ms(self.deferred)}, at once {ms(self.at_once)} "
-                   f"(medians of {len(self.deferred)} and {len(self.at_once)} runs)")
+                   f"(best of {len(self.deferred)} and {len(self.at_once)} runs)")
         if self.phase in (Phase.DEFERRED, Phase.AT_ONCE):
             return f"{self.phase.value}: {why}; checked again in {self.recheck - self.runs} runs"
         return f"{self.phase.value}: {why}"
