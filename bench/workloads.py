@@ -505,7 +505,7 @@ def per_op_spec() -> Spec:
                 columns=("strict", "defer", "deferred"), ops_per_call=200)
 
 
-GELU_SIZES_FULL = (10, 14, 18, 20, 22, 24)
+GELU_SIZES_FULL = (10, 14, 16, 18, 20, 22, 24)
 GELU_SIZES_QUICK = (14, 22)
 
 
