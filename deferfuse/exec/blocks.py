@@ -7,13 +7,16 @@ The engine choice inside a flush (eager replay against XLA, ``autotune_engine``)
 there, because recording is paid before the flush sees the graph.  So the choice is made one
 level up, per place in the code where a block starts (the ``with`` line):
 
-1. the first runs there are deferred; once three of them ran *steady* (no compile, no cache miss,
-   no disk-cache load, no engine choice made: the steady state the program will stay in) their
-   times are kept;
-2. the next three run at once: the block runs under no deferfuse mode at all, which is strict
-   (plain tensors out, torch's kernels, nothing recorded);
-3. the way with the faster best run wins, ties to deferred (a busy machine only adds time, so
-   the best of three is steadier than their median, which one spike can move).
+1. its runs alternate, deferred and at once, until each way has five timed runs; a deferred run
+   is timed only if it ran *steady* (no compile, no cache miss, no disk-cache load, no engine
+   choice made: the steady state the program will stay in), and the first timed run is deferred;
+2. a run at once runs under no deferfuse mode at all, which is strict (plain tensors out,
+   torch's kernels, nothing recorded);
+3. the way with the faster median wins, ties to deferred.  Alternating puts both ways under the
+   same load.  (Measured otherwise, in two ``make bench`` runs on a 2-core VM: three deferred
+   runs, then three at once, chose deferred for a LayerNorm whose deferred runs were 18% slower
+   in the table; the best of three chose deferred for an MLP block whose deferred runs were
+   bimodal, 12 or 15-22 ms, against 12.5 at once.)
 
 The choice is checked again after 64 runs, then after twice as many each time it holds (up to
 4096).  A run that takes over twice, or under half, the chosen way's median (and 0.2 ms more or
@@ -42,7 +45,7 @@ from ..stats import STATS
 
 log = logging.getLogger("deferfuse")
 
-SAMPLES = 3             # timed runs of each way before choosing
+SAMPLES = 5             # timed runs of each way before choosing
 FIRST_RECHECK = 64      # runs after a choice before it is measured again
 LAST_RECHECK = 4096     # the longest wait, reached by doubling while a choice holds
 MAX_UNSTEADY = 64       # deferred runs that never settle: stay deferred until the recheck
@@ -113,23 +116,33 @@ class BlockChoice:
         if phase is Phase.MEASURE_DEFERRED:
             if steady:
                 self.deferred.append(seconds)
-                if len(self.deferred) == SAMPLES:
-                    self.phase = Phase.MEASURE_AT_ONCE
+                self._measured()
             elif not _compiles_pending():   # (a background compile settles by itself)
                 self.unsteady += 1
                 if self.unsteady > MAX_UNSTEADY:
                     self._choose(Phase.DEFERRED)
         elif phase is Phase.MEASURE_AT_ONCE:
             self.at_once.append(seconds)
-            if len(self.at_once) == SAMPLES:
-                faster = min(self.at_once) < min(self.deferred)
-                self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
+            self._measured()
         else:
             self.runs += 1
             if self.runs >= self.recheck:
                 self._measure_again()
             elif steady:
                 self._watch_for_drift(seconds)
+
+    def _measured(self) -> None:
+        """After a timed run: the next goes the other way, until both have SAMPLES runs; then
+        the way with the faster median wins, ties to deferred."""
+        deferred, at_once = self.deferred, self.at_once
+        if len(deferred) >= SAMPLES and len(at_once) >= SAMPLES:
+            faster = _median(at_once) < _median(deferred)
+            self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
+        elif self.phase is Phase.MEASURE_DEFERRED:
+            if len(at_once) < SAMPLES:
+                self.phase = Phase.MEASURE_AT_ONCE
+        elif len(deferred) < SAMPLES:
+            self.phase = Phase.MEASURE_DEFERRED
 
     def _choose(self, phase: Phase) -> None:
         # a choice that held when measured again is checked half as often
@@ -159,12 +172,12 @@ class BlockChoice:
 
     def describe(self) -> str:
         def ms(samples: list[float]) -> str:
-            return f"{min(samples) * 1e3:.3g} ms" if samples else "-"
+            return f"{_median(samples) * 1e3:.3g} ms" if samples else "-"
         if self.phase is Phase.DEFERRED and len(self.deferred) < SAMPLES:
             why = f"its deferred runs kept compiling ({self.unsteady} unsteady runs)"
         else:
             why = (f"deferred {ms(self.deferred)}, at once {ms(self.at_once)} "
-                   f"(best of {len(self.deferred)} and {len(self.at_once)} runs)")
+                   f"(medians of {len(self.deferred)} and {len(self.at_once)} runs)")
         if self.phase in (Phase.DEFERRED, Phase.AT_ONCE):
             return f"{self.phase.value}: {why}; checked again in {self.recheck - self.runs} runs"
         return f"{self.phase.value}: {why}"
