@@ -88,11 +88,12 @@ def show(spec: Spec, title: str, formula: str, probe: DeferProbe) -> bool:
                       if c.place.endswith(f":{run_defer.__code__.co_firstlineno + 1}")), None)
         print("    defer:  this block ran at once, as strict: at its place, deferred runs were "
               "slower (eager_blocks)" + (f"; {place.describe()}" if place else ""))
-    print(f"    defer:  {one_call.get('ops_recorded')} ops recorded -> "
-          f"{_plural(sum(flushes.values()), 'flush')} {dict(flushes)} -> "
-          f"{_plural(one_call.get('executions'), 'XLA execution')} "
-          f"({_plural(one_call.get('cache_hits'), 'cache hit')}, "
-          f"{_plural(one_call.get('compiles'), 'compile')})")
+    else:
+        print(f"    defer:  {one_call.get('ops_recorded')} ops recorded -> "
+              f"{_plural(sum(flushes.values()), 'flush')} {dict(flushes)} -> "
+              f"{_plural(one_call.get('executions'), 'XLA execution')} "
+              f"({_plural(one_call.get('cache_hits'), 'cache hit')}, "
+              f"{_plural(one_call.get('compiles'), 'compile')})")
     fallbacks = one_call.get("fallbacks", {}) or {}
     if fallbacks:
         print(f"            ops that fell back to eager torch: {dict(fallbacks)}")
