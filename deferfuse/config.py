@@ -100,6 +100,12 @@ _declare("eager_lone_ops", bool, True,
          "recording it and flushing would only add their cost.  Once its result feeds a "
          "recorded op, the place is recorded again.  Needs lone_op_on_torch; always_compile "
          "turns it off.")
+_declare("host_scalars_at_once", bool, True,
+         "Run a pointwise op at once on torch's kernel when every tensor it reads or writes is a "
+         "plain CPU tensor of at most one element whose value is computed (an optimizer's step "
+         "counter, `step += 1`): its result is strict's, and a later `.item()` of it needs no "
+         "flush.  Pending ops that read a tensor it overwrites keep the old value.  always_compile "
+         "turns it off.")
 _declare("eager_blocks", bool, True,
          "Time each place in the code where a `with deferfuse.defer():` block starts, deferred "
          "against at once (as strict: no mode, plain tensors), and run its blocks the faster way; "

@@ -124,13 +124,14 @@ def explain(last: Optional[int] = None) -> str:
     if last is not None:
         records = records[-last:]
     text = "\n".join(r.describe() for r in records) if records else "deferfuse: no flushes yet"
-    at_once = STATS.unseen_ops_run + STATS.lone_ops_run
+    at_once = STATS.unseen_ops_run + STATS.lone_ops_run + STATS.host_scalar_ops_run
     if at_once:
         # (ops that never reached a graph: without this line a one-off script looks unfused)
         text += (f"\n{at_once} op(s) ran at once on torch's kernels since the last reset_stats(): "
                  f"{STATS.unseen_ops_run} seen for the first time at their place in the code "
                  f"(eager_unseen_ops), {STATS.lone_ops_run} where their flushes were lone "
-                 f"(eager_lone_ops)")
+                 f"(eager_lone_ops), {STATS.host_scalar_ops_run} on one-element CPU tensors "
+                 f"(host_scalars_at_once)")
     from .exec.blocks import describe_all
     blocks = describe_all()
     if blocks:

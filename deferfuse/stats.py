@@ -11,7 +11,7 @@ class Stats:
                  "fallbacks", "fallback_reasons", "decompositions", "eager_replays",
                  "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
-                 "eager_chosen", "unseen_ops_run", "lone_ops_run", "executables_evicted",
+                 "eager_chosen", "unseen_ops_run", "lone_ops_run", "host_scalar_ops_run", "executables_evicted",
                  "blocks_run_at_once")
 
     def __init__(self) -> None:
@@ -39,6 +39,7 @@ class Stats:
         self.eager_chosen = 0
         self.unseen_ops_run = 0   # ops run at once on first sight (config: eager_unseen_ops)
         self.lone_ops_run = 0     # ops run at once where their flushes were lone (eager_lone_ops)
+        self.host_scalar_ops_run = 0   # ops on one-element CPU tensors run at once (host_scalars_at_once)
         self.executables_evicted = 0   # least recently used executables dropped (executable_cache_size)
         self.blocks_run_at_once = 0    # defer blocks run as strict where that was faster (eager_blocks)
 

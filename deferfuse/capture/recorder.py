@@ -207,6 +207,7 @@ class Recorder:
                              and config.get("eager_first_runs") > 0)
         self.eager_lone = (config.get("eager_lone_ops") and config.get("lone_op_on_torch")
                            and not config.get("always_compile"))
+        self.host_scalars = config.get("host_scalars_at_once") and not config.get("always_compile")
         # id(plain tensor) -> (weak ref, entry, site) of results of ops run at once where their
         # flushes were lone: one of them feeding a recorded op means that place fuses again
         self.at_once: dict[int, tuple] = {}
@@ -618,6 +619,36 @@ class Recorder:
         for t in _tensors_in(out):
             at_once[id(t)] = (weakref.ref(t), func, site)
         return out
+
+    def at_once_if_host_scalar(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run a pointwise op at once on torch's kernel when every tensor it touches is a plain
+        CPU tensor of at most one element with computed contents (host_scalars_at_once);
+        NotImplemented otherwise.  Scalar bookkeeping (an optimizer's ``step += 1`` then
+        ``step.item()``) then costs a kernel call instead of a recorded node and a flush.
+        Pending nodes that read a storage this op overwrites keep its old contents."""
+        info = (_FACTS.get(id(func)) or _facts(func))[0]
+        if not info.pointwise or info.random or info.kind not in (OpKind.PURE, OpKind.MUTATING):
+            return NotImplemented
+        states = []
+        for t in _tensors_in(args, kwargs):
+            if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device.type != "cpu" \
+                    or t.numel() > 1:
+                return NotImplemented
+            state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
+            if state is not None:
+                if state.contents is not None:
+                    return NotImplemented
+                states.append(state)
+        if info.written and states:
+            for t in _written_arguments(func, info, args, kwargs):
+                state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
+                if state is not None:
+                    _snapshot_old_leaves(state)
+                    state.old_leaves = []
+                    state.changed()
+        STATS.ops_recorded += 1
+        STATS.host_scalar_ops_run += 1
+        return func(*args, **kwargs)
 
     def without_lowering(self, func, info, args, kwargs, entry) -> Any:
         if entry is None or entry.reason != meta_.NO_JAX_DTYPE:
@@ -1547,6 +1578,10 @@ def _defer_dispatch(self, func, types, args=(), kwargs=None):
     """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
     recorder = self.recorder
     kwargs = kwargs or {}
+    if args and type(args[0]) is torch.Tensor and recorder.host_scalars and args[0].numel() <= 1:
+        result = recorder.at_once_if_host_scalar(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
     if id(func) in meta_.LONE_OPS and recorder.eager_lone:
         result = recorder.at_once_if_lone(func, args, kwargs)
         if result is not NotImplemented:
