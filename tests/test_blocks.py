@@ -311,3 +311,36 @@ def test_the_table_of_places_is_bounded(tier, monkeypatch):
         source = "\n" * line + "with deferfuse.defer():\n    y = x + 1"
         exec(compile(source, "<places>", "exec"), {"deferfuse": deferfuse, "x": torch.randn(5)})
     assert 1 <= len(blocks.choices()) <= 3
+
+
+def _feed(choice: blocks.BlockChoice, deferred: list, at_once: list) -> int:
+    """Steady runs of the given times, each way in turn as the place asks; how many it took."""
+    times = {Phase.MEASURE_DEFERRED: iter(deferred), Phase.MEASURE_AT_ONCE: iter(at_once)}
+    runs = 0
+    while choice.phase in times:
+        choice.finished(next(times[choice.phase]), True)
+        runs += 1
+    return runs
+
+
+def test_clearly_separated_ways_are_chosen_after_five_runs_each():
+    choice = blocks.BlockChoice("here:1")
+    assert _feed(choice, [2.0] * 5, [1.0] * 5) == 10
+    assert choice.phase is Phase.AT_ONCE
+    # one slow deferred run does not hide that deferred won 20 of the 25 pairs
+    choice = blocks.BlockChoice("here:2")
+    assert _feed(choice, [1.0, 1.0, 1.0, 1.0, 5.0], [2.0] * 5) == 10
+    assert choice.phase is Phase.DEFERRED
+
+
+def test_overlapping_ways_are_measured_longer_before_choosing():
+    # deferred runs alternate 1.0 / 1.3, runs at once 1.1 / 1.2: either way wins half the pairs
+    choice = blocks.BlockChoice("here:3")
+    runs = _feed(choice, [1.0, 1.3] * 8, [1.1, 1.2] * 8)
+    assert runs == 2 * blocks.MAX_SAMPLES
+    assert choice.phase is Phase.DEFERRED   # medians 1.0 against 1.1
+    # a first five runs at once that look faster, then clearly slower ones: measured on
+    choice = blocks.BlockChoice("here:4")
+    runs = _feed(choice, [1.0, 1.3, 1.0, 1.3, 1.2] + [1.0] * 10, [1.1, 1.1, 1.1, 1.4, 1.4] + [1.5] * 10)
+    assert 2 * blocks.SAMPLES < runs <= 2 * blocks.MAX_SAMPLES
+    assert choice.phase is Phase.DEFERRED

@@ -12,7 +12,11 @@ level up, per place in the code where a block starts (the ``with`` line):
    choice made: the steady state the program will stay in), and the first timed run is deferred;
 2. a run at once runs under no deferfuse mode at all, which is strict (plain tensors out,
    torch's kernels, nothing recorded);
-3. the way with the faster median wins, ties to deferred.  Alternating puts both ways under the
+3. the way with the faster median wins, ties to deferred, if one way was faster in at least
+   three quarters of the pairs of runs (deferred against at once); when the two overlap more
+   than that, both go on alternating, up to 15 runs each, and then the medians decide (a GPT
+   training step chose at once in one of three fresh processes on 5 + 5 runs, although its
+   deferred runs were 1.18x faster over 30 steps).  Alternating puts both ways under the
    same load.  (Measured otherwise, in two ``make bench`` runs on a 2-core VM: three deferred
    runs, then three at once, chose deferred for a LayerNorm whose deferred runs were 18% slower
    in the table; the best of three chose deferred for an MLP block whose deferred runs were
@@ -45,7 +49,9 @@ from ..stats import STATS
 
 log = logging.getLogger("deferfuse")
 
-SAMPLES = 5             # timed runs of each way before choosing
+SAMPLES = 5             # timed runs of each way before choosing ...
+CLEAR = 0.75            # ... if one way was faster in this share of the pairs of runs, else
+MAX_SAMPLES = 15        # ... both go on, up to this many runs each, and the medians decide
 FIRST_RECHECK = 64      # runs after a choice before it is measured again
 LAST_RECHECK = 4096     # the longest wait, reached by doubling while a choice holds
 MAX_UNSTEADY = 64       # deferred runs that never settle: stay deferred until the recheck
@@ -76,6 +82,13 @@ def _median(samples: list[float]) -> float:
     ordered = sorted(samples)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _share_faster(a: list[float], b: list[float]) -> float:
+    """The share of pairs (x from a, y from b) with x faster than y, ties counting half: 1.0
+    when every run of ``a`` beat every run of ``b`` (the Mann-Whitney statistic over n*m)."""
+    wins = sum((x < y) + 0.5 * (x == y) for x in a for y in b)
+    return wins / (len(a) * len(b))
 
 
 def _compiles_pending() -> bool:
@@ -132,17 +145,19 @@ class BlockChoice:
                 self._watch_for_drift(seconds)
 
     def _measured(self) -> None:
-        """After a timed run: the next goes the other way, until both have SAMPLES runs; then
-        the way with the faster median wins, ties to deferred."""
+        """After a timed run: the next goes the other way.  Once both ways have SAMPLES runs,
+        and as many each, the way with the faster median wins (ties to deferred) if one way
+        was faster in at least CLEAR of the pairs of runs; otherwise both go on, up to
+        MAX_SAMPLES each, and then the medians decide."""
         deferred, at_once = self.deferred, self.at_once
-        if len(deferred) >= SAMPLES and len(at_once) >= SAMPLES:
-            faster = _median(at_once) < _median(deferred)
-            self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
-        elif self.phase is Phase.MEASURE_DEFERRED:
-            if len(at_once) < SAMPLES:
-                self.phase = Phase.MEASURE_AT_ONCE
-        elif len(deferred) < SAMPLES:
-            self.phase = Phase.MEASURE_DEFERRED
+        n = len(at_once)
+        if n >= SAMPLES and len(deferred) == n:
+            share = _share_faster(at_once, deferred)
+            if n >= MAX_SAMPLES or share >= CLEAR or share <= 1 - CLEAR:
+                faster = _median(at_once) < _median(deferred)
+                self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
+                return
+        self.phase = Phase.MEASURE_AT_ONCE if n < len(deferred) else Phase.MEASURE_DEFERRED
 
     def _choose(self, phase: Phase) -> None:
         # a choice that held when measured again is checked half as often
