@@ -33,11 +33,13 @@ step's loss, and afterwards a fresh strict run from the same initial weights goe
 candidate's step count: the first-step loss and the losses of steps 1-5 must agree within 1e-4
 relative, and the distance from strict's parameters must stay under 5% of how far strict's
 parameters moved.  A failing candidate is reported as a mismatch, not as a speed-up.
-Then each of strict, defer, deferred and jax alone in a fresh process (``--rounds``, default 3:
+Then each of strict, defer, deferred and jax alone in a fresh process (``--rounds``, default 5:
 one process per candidate per round, the order rotating): candidates sharing a process share
 its allocator and XLA's CPU client, and after the JAX candidate's steps the defer step
-page-faults ~24k times a step, which a user running one of them never sees.  The target is
-judged on both tables.
+page-faults ~24k times a step, which a user running one of them never sees.  A "strict-malloc"
+process runs strict with the malloc thresholds deferfuse sets in its own processes
+(malloc_tuning), so the allocator's share of the difference shows.  The target is judged on
+both tables.
 Also: deferfuse.stats() of one steady-state step, a torch.profiler breakdown of a strict step
 and a wall-clock split (plus cProfile) of a defer step.  Results: bench/results/train_gpt.json.
 """
@@ -597,7 +599,8 @@ def profile_defer_step(step: Callable[[], Any]) -> dict[str, Any]:
 # step is also timed with every candidate alone in a fresh process, processes alternating
 # round by round (the machine's drift then falls on all of them alike).
 
-PER_PROCESS = ("strict", "defer", "deferred", "jax")
+PER_PROCESS = ("strict", "defer", "deferred", "jax")   # (+ strict-malloc: strict with the
+# malloc thresholds deferfuse sets, malloc_tuning, so that the allocator's share is visible)
 
 
 def own_process_steps(name: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -605,7 +608,10 @@ def own_process_steps(name: str, steps: int, warmup: int) -> dict[str, Any]:
     initial, batches = make_model(), make_batches()
     if name == "jax":
         trainer: Any = JaxTrainer(initial, batches)
-    elif name == "strict":
+    elif name in ("strict", "strict-malloc"):
+        if name == "strict-malloc":   # strict with the malloc thresholds deferfuse sets
+            from deferfuse.exec import backend
+            backend.tune_malloc()
         trainer = TorchTrainer(initial, batches)
     else:
         import deferfuse
@@ -659,8 +665,12 @@ def time_per_process(names: list[str], rounds: int, steps: int, warmup: int,
             if "choice" in got:
                 choices.setdefault(name, []).append(got["choice"])
     medians = {n: statistics.median(v) for n, v in pooled.items() if v}
+    # (a fresh process on these VMs runs fast or ~20% slow as a whole, recording and XLA alike:
+    # the per-round medians show it, the pooled median averages over it)
+    per_round = {n: [statistics.median(v[i:i + steps]) for i in range(0, len(v), steps)]
+                 for n, v in pooled.items()}
     return {"rounds": rounds, "steps_per_round": steps, "samples_ms": pooled, "median_ms": medians,
-            "defer_choices": choices, "failures": failures}
+            "per_round_median_ms": per_round, "defer_choices": choices, "failures": failures}
 
 
 def format_per_process(found: dict[str, Any]) -> str:
@@ -675,7 +685,8 @@ def format_per_process(found: dict[str, Any]) -> str:
             continue
         lines.append(f"  {name:9s}  {_fmt(medians[name]):>9s}  {_fmt(min(samples)):>6s}  "
                      f"{_fmt(max(samples)):>6s}  {len(samples):2d}  "
-                     f"{_ratio(strict, medians[name]):>11s}")
+                     f"{_ratio(strict, medians[name]):>11s}   per process: "
+                     + " ".join(_fmt(m) for m in found["per_round_median_ms"][name]))
     if found["defer_choices"]:
         lines.append(f"  defer's step place chose, per round: {found['defer_choices']['defer']}")
     return "\n".join(lines)
@@ -738,8 +749,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--name", default="train_gpt", help="results file name")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiles")
     parser.add_argument("--verbose", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of the per-process timing (0 skips it; default 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of the per-process timing (0 skips it; default 5)")
     parser.add_argument("--own-process", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -865,6 +876,8 @@ def run(args: argparse.Namespace, cache_dir: str) -> int:
 
     per_process = None
     alone = [n for n in PER_PROCESS if n in wanted]
+    if "strict" in alone and any(n in alone for n in ("defer", "deferred")):
+        alone.insert(1, "strict-malloc")
     if args.rounds > 0 and "strict" in alone and len(alone) > 1:
         print(f"  each of {', '.join(alone)} alone in a fresh process, {args.rounds} rounds ...",
               flush=True)
