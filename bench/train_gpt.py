@@ -678,12 +678,12 @@ def format_per_process(found: dict[str, Any]) -> str:
     strict = medians.get("strict")
     lines = [f"each candidate alone in a fresh process ({found['rounds']} rounds x "
              f"{found['steps_per_round']} steps, processes alternating):",
-             "  candidate  median ms  min ms  max ms   n  strict/this"]
+             "  candidate      median ms  min ms  max ms   n  strict/this"]
     for name, samples in found["samples_ms"].items():
         if not samples:
-            lines.append(f"  {name:9s}  failed: {found['failures'].get(name, '?')}")
+            lines.append(f"  {name:13s}  failed: {found['failures'].get(name, '?')}")
             continue
-        lines.append(f"  {name:9s}  {_fmt(medians[name]):>9s}  {_fmt(min(samples)):>6s}  "
+        lines.append(f"  {name:13s}  {_fmt(medians[name]):>9s}  {_fmt(min(samples)):>6s}  "
                      f"{_fmt(max(samples)):>6s}  {len(samples):2d}  "
                      f"{_ratio(strict, medians[name]):>11s}   per process: "
                      + " ".join(_fmt(m) for m in found["per_round_median_ms"][name]))
