@@ -23,8 +23,8 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-def _run(cache_dir):
-    env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(cache_dir))
+def _run(cache_dir, **extra_env):
+    env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(cache_dir), **extra_env)
     out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -36,6 +36,16 @@ def test_second_process_compiles_nothing(tmp_path):
     assert first["compiles"] >= 1 and first["disk_hits"] == 0
     assert second["compiles"] == 0 and second["disk_hits"] == first["compiles"]
     assert second["value"] == first["value"]
+
+
+def test_other_xla_flags_compile_again(tmp_path):
+    # XLA_FLAGS change what XLA compiles (fast math, dot libraries): an executable compiled
+    # under other flags is not loaded
+    plain = _run(tmp_path, XLA_FLAGS="")
+    flagged = _run(tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+    assert flagged["compiles"] == plain["compiles"] and flagged["disk_hits"] == 0
+    again = _run(tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+    assert again["compiles"] == 0 and again["disk_hits"] == plain["compiles"]
 
 
 def test_corrupt_cache_entry_is_rebuilt(tmp_path):

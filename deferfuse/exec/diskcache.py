@@ -1,7 +1,7 @@
 """Compiled executables on disk, so a second process running the same program compiles nothing.
 
 The key is a SHA-256 of the structural signature's text together with the versions of deferfuse,
-jax, jaxlib and torch and the XLA platform.  An entry holds the serialized executable and the
+jax, jaxlib and torch, the XLA platform and XLA_FLAGS.  An entry holds the serialized executable and the
 metadata of its runtime checks.  Any entry that cannot be read is ignored (and counted); the
 computation is compiled again and the entry rewritten.  JAX's global configuration (including its
 own compilation cache) is left untouched.
@@ -50,13 +50,20 @@ def _code_version() -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def _xla_flags() -> str:
+    """XLA_FLAGS as XLA read them when its backend started (they change what it compiles:
+    fast math, the dot libraries); read once, as XLA does."""
+    return os.environ.get("XLA_FLAGS", "")
+
+
 def _key(signature: Any) -> Optional[str]:
     text = repr(signature)
     if " at 0x" in text:
         # something in the signature has no stable text (an object's address): memory cache only
         return None
     from .. import __version__
-    salt = f"{_FORMAT}|{__version__}|{_code_version()}|{jax.__version__}|{jax.lib.__version__ if hasattr(jax.lib, '__version__') else ''}|{torch.__version__}|{jax.default_backend()}"
+    salt = f"{_FORMAT}|{__version__}|{_code_version()}|{jax.__version__}|{jax.lib.__version__ if hasattr(jax.lib, '__version__') else ''}|{torch.__version__}|{jax.default_backend()}|{_xla_flags()}"
     return hashlib.sha256((salt + "\n" + text).encode()).hexdigest()
 
 
