@@ -28,6 +28,7 @@ from ..ir.graph import Node, Value
 from ..lower import dtypes as dtypes_
 from ..lower.registry import _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
 from ..lower.views import internal_rule
+from ..plan import cost
 from ..stats import STATS
 from . import backend, diskcache, interop
 from .._lazy import lazy_import
@@ -50,11 +51,15 @@ class _Ref:
 
 
 class Step:
-    __slots__ = ("rule", "ctx", "args", "kwargs", "outs", "out_metas", "source", "op")
+    """One node of a Program.  ``ordered_by``: the index of the argument through which the step
+    runs after the previous ordered step (``serialize_compute``), or None."""
 
-    def __init__(self, rule, ctx, args, kwargs, outs, out_metas, source, op) -> None:
+    __slots__ = ("rule", "ctx", "args", "kwargs", "outs", "out_metas", "source", "op", "ordered_by")
+
+    def __init__(self, rule, ctx, args, kwargs, outs, out_metas, source, op, ordered_by=None) -> None:
         self.rule, self.ctx, self.args, self.kwargs = rule, ctx, args, kwargs
         self.outs, self.out_metas, self.source, self.op = outs, out_metas, source, op
+        self.ordered_by = ordered_by
 
 
 _aten = torch.ops.aten
@@ -100,6 +105,7 @@ class Program:
         values: list[Any] = []
         self.checks = []
         consumer: Any = None
+        last_ordered: Any = None   # the result of the latest ordered step
 
         def resolve(a: Any) -> Any:
             if isinstance(a, _Ref):
@@ -117,7 +123,10 @@ class Program:
             collector = CheckCollector(step.op)
             _CHECK_COLLECTORS.append(collector)
             try:
-                out = step.rule(step.ctx, *resolve(step.args), **{k: resolve(v) for k, v in step.kwargs.items()})
+                args = resolve(step.args)
+                if step.ordered_by is not None and last_ordered is not None:
+                    args = _ordered_after(args, step.ordered_by, last_ordered)
+                out = step.rule(step.ctx, *args, **{k: resolve(v) for k, v in step.kwargs.items()})
             except Exception as exc:
                 raise LoweringError(f"lowering {step.op} failed{_at(step.source)}: {type(exc).__name__}: {exc}") from exc
             finally:
@@ -127,6 +136,8 @@ class Program:
                 values.append(jnp.int64(0) if value is None else value)
                 self.checks.append((position, error, message))
             outs = out if isinstance(out, (tuple, list)) else (out,)
+            if step.ordered_by is not None:
+                last_ordered = outs[0]
             for local_id, meta, arr in zip(step.outs, step.out_metas, outs):
                 arr = jnp.asarray(arr)
                 want = dtypes_.to_jax(meta.dtype)
@@ -143,6 +154,21 @@ class Program:
             # (no check: no empty flag arrays either, each an output buffer on every call)
             return outputs, None, None
         return outputs, jnp.stack(flags), jnp.stack(values)
+
+
+# XLA's CPU runtime runs the thunks of a computation as their data dependences allow, so two
+# independent matrix products (the weight and input gradients of one layer) run at the same
+# time, each already split over every core by its dot library: they evict each other's tiles
+# and wait on each other's threads.  An optimization barrier that groups a product's
+# left-hand operand with the previous product's result makes the operand, and so the product,
+# wait for it: the products then run one at a time, in record order, as eager runs them.  The
+# barrier also materializes that operand in XLA's default row-major layout, so a transposed
+# left-hand side (x.t() @ g, a weight gradient) is copied once instead of read across rows, which
+# XLA's CPU dot runs at about half its speed (python -m bench.dots, transposed lhs).
+def _ordered_after(args: tuple, index: int, previous: Any) -> tuple:
+    """``args`` with ``args[index]`` available only once ``previous`` is computed."""
+    operand, _ = lax.optimization_barrier((args[index], previous))
+    return args[:index] + (operand,) + args[index + 1:]
 
 
 def _at(source: Any) -> str:
@@ -275,6 +301,7 @@ def build(nodes: list[Node], outputs: list[Value]):
     def make_program() -> Program:
         steps = []
         scalar_list: list[float] = []
+        ordering = config.get("serialize_compute") and jax.default_backend() == "cpu"
         for node, first in zip(nodes, first_out):
             args_t, _ = _template(node.args, index, leaves, scalar_list)
             kwargs_t = {k: _template(v, index, leaves, scalar_list)[0] for k, v in node.kwargs.items()}
@@ -283,7 +310,9 @@ def build(nodes: list[Node], outputs: list[Value]):
             else:
                 rule, ctx = node.lowering.lowering.rule, node.lowering.ctx
             outs = tuple(range(first, first + len(node.out_metas)))
-            steps.append(Step(rule, ctx, args_t, kwargs_t, outs, node.out_metas, node.source, node.op))
+            ordered_by = cost.ordering_operand(node) if ordering else None
+            steps.append(Step(rule, ctx, args_t, kwargs_t, outs, node.out_metas, node.source, node.op,
+                              ordered_by))
         assert len(leaves) == n_inputs and scalar_list == scalars, "argument templates disagree with the signature"
         return Program(n_inputs, steps, out_ids)
 

@@ -67,6 +67,27 @@ FLOPS: dict[torch._ops.OpOverload, Callable[[Node], float]] = {
 }
 
 
+# The operand each of them reads row by row: the left-hand side of a product, the input of a
+# convolution (see ``ordering_operand``).
+_LHS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1,
+        aten.convolution.default: 0}
+assert _LHS.keys() == FLOPS.keys()
+
+# A product below this many FLOPs is a few microseconds of one core: nothing to order.
+ORDER_MIN_FLOPS = 1 << 22
+
+
+def ordering_operand(node: Node) -> Optional[int]:
+    """Where ``node`` is a matrix product or convolution big enough to spread over the cores,
+    the index of the argument through which the computation orders it after the previous one
+    (``serialize_compute``, exec/runtime.py); else None.  Decided by shapes alone, which the
+    computation's signature holds."""
+    index = _LHS.get(node.op)
+    if index is None or flops(node) < ORDER_MIN_FLOPS:
+        return None
+    return index
+
+
 def bytes_moved(node: Node) -> int:
     """Bytes a node reads and writes if it runs alone (its unfused memory traffic)."""
     total = 0

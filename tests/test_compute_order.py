@@ -1,0 +1,131 @@
+"""serialize_compute: the matrix products and convolutions of one XLA computation run one after
+another in record order, each tied to the previous one's result through its left-hand operand
+(exec/runtime.py).  Results stay strict's; the compiled program shows the ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deferfuse
+from deferfuse import config
+from deferfuse.plan import cost
+
+
+def _barriers() -> int:
+    return deferfuse.stablehlo(0).count("stablehlo.optimization_barrier")
+
+
+def _run(fn, *args, **settings):
+    with config.override(always_compile=True, **settings):
+        with deferfuse.defer():
+            out = fn(*args)
+            deferfuse.sync(out)
+    return out
+
+
+def _two_layers(x, w1, w2, b):
+    # independent products (x @ w1 and x.t() @ x) and a chain (... @ w2)
+    return torch.addmm(b, x, w1) + x @ (x.t() @ x) @ w2
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 256, generator=g).to(dtype)
+    w1 = torch.randn(256, 256, generator=g).to(dtype)
+    w2 = torch.randn(256, 256, generator=g).to(dtype)
+    b = torch.randn(256, generator=g).to(dtype)
+    return x, w1, w2, b
+
+
+def test_products_after_the_first_are_each_ordered_once():
+    args = _inputs()
+    out = _run(_two_layers, *args)
+    # four products: addmm, x.t() @ x, x @ (...), (...) @ w2
+    assert _barriers() == 3
+    torch.testing.assert_close(out, _two_layers(*args), rtol=1e-4, atol=1e-2)
+
+
+def test_setting_off_leaves_the_program_without_ties():
+    args = _inputs()
+    out = _run(_two_layers, *args, serialize_compute=False)
+    assert _barriers() == 0
+    torch.testing.assert_close(out, _two_layers(*args), rtol=1e-4, atol=1e-2)
+
+
+def test_the_setting_is_part_of_the_executable_key():
+    # switching back and forth never runs the other setting's executable
+    args = _inputs()
+    for setting, ties in ((True, 3), (False, 0), (True, 3), (False, 0)):
+        out = _run(_two_layers, *args, serialize_compute=setting)
+        assert _barriers() == ties
+        torch.testing.assert_close(out, _two_layers(*args), rtol=1e-4, atol=1e-2)
+
+
+def test_small_products_are_not_ordered():
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    assert 2 * 8 * 8 * 8 < cost.ORDER_MIN_FLOPS
+    out = _run(lambda a, b: (a @ b) @ b + a @ b.t(), x, w)
+    assert _barriers() == 0
+    torch.testing.assert_close(out, (x @ w) @ w + x @ w.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_ordered_products_match_strict_on_awkward_operands(dtype):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(192, 320, generator=g)
+    if dtype is torch.int64:
+        base = (base * 4).round()
+    base = base.to(dtype)
+    lhs_t = base.t()[:, ::2]            # transposed and strided: (320, 96)
+    rhs = base[:96]                     # a row slice: (96, 320)
+    batch = base[:180].reshape(3, 60, 320)
+
+    def fn(a, b, c):
+        first = a @ b                                        # (320, 320), transposed lhs
+        second = torch.bmm(c, first.expand(3, 320, 320))     # broadcast rhs
+        third = torch.baddbmm(second, c, first.expand(3, 320, 320), beta=2, alpha=-1)
+        return first.sum() + third.sum(dim=(1, 2)).sum()
+
+    out = _run(fn, lhs_t, rhs, batch)
+    assert _barriers() == 2
+    expected = fn(lhs_t, rhs, batch)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-2 if dtype is torch.float32 else 0)
+
+
+def test_convolutions_are_ordered_through_their_input():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 8, 64, 64, generator=g)
+    w1, w2 = torch.randn(16, 8, 3, 3, generator=g), torch.randn(8, 16, 3, 3, generator=g)
+
+    def fn(x):
+        return F.conv2d(torch.relu(F.conv2d(x, w1, padding=1)), w2, padding=1) + F.conv2d(x, w1[:8], padding=1)
+
+    out = _run(fn, x)
+    assert _barriers() == 2
+    torch.testing.assert_close(out, fn(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_training_step_matches_strict_with_ordering():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+    twin = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(64, 128)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    with config.override(always_compile=True):
+        with deferfuse.defer():
+            loss = step(model)
+            loss.item()
+    assert _barriers() >= 4   # forward 2, backward 3 (the first layer's input gradient is unused)
+    expected = step(twin)
+    torch.testing.assert_close(loss, expected)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
