@@ -72,12 +72,12 @@ _declare("peak_gflops", float, 100.0,
 _declare("compute_engine", str, "xla",
          "Where compute-bound ops (matmul, conv) run: 'xla' fuses them with their neighbours, "
          "'torch' runs them on torch's kernels between XLA groups.", affects_compile=True)
-_declare("serialize_compute", bool, True,
-         "On a CPU, run the matrix products and convolutions of one XLA computation one after "
-         "another in record order, as eager does: XLA would run independent ones (a weight "
-         "gradient and an input gradient) at the same time, each already spread over every "
-         "core.  Each is ordered through its left-hand operand, which XLA then also stores "
-         "row-major, where its CPU dot is fastest.  See docs/architecture.md.",
+_declare("order_compute", bool, True,
+         "On a CPU, tie each matrix product and convolution of an XLA computation to the previous "
+         "one in record order, through its left-hand operand (an optimization barrier): XLA then "
+         "keeps that operand row-major, where its CPU dot is fastest (a transposed one, as in "
+         "every weight gradient, runs at about half speed), and orders the products as eager "
+         "does.  See docs/architecture.md.",
          affects_compile=True)
 _declare("lone_op_on_torch", bool, True,
          "Run a flush of a single op (nothing to fuse) on torch's own kernel instead of XLA "

@@ -1,6 +1,6 @@
-"""serialize_compute: the matrix products and convolutions of one XLA computation run one after
-another in record order, each tied to the previous one's result through its left-hand operand
-(exec/runtime.py).  Results stay strict's; the compiled program shows the ties."""
+"""order_compute: each matrix product and convolution of one XLA computation is tied to the
+previous one's result through its left-hand operand, in record order (exec/runtime.py).
+Results stay strict's; the program shows the ties."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_products_after_the_first_are_each_ordered_once():
 
 def test_setting_off_leaves_the_program_without_ties():
     args = _inputs()
-    out = _run(_two_layers, *args, serialize_compute=False)
+    out = _run(_two_layers, *args, order_compute=False)
     assert _barriers() == 0
     torch.testing.assert_close(out, _two_layers(*args), rtol=1e-4, atol=1e-2)
 
@@ -58,7 +58,7 @@ def test_the_setting_is_part_of_the_executable_key():
     # switching back and forth never runs the other setting's executable
     args = _inputs()
     for setting, ties in ((True, 3), (False, 0), (True, 3), (False, 0)):
-        out = _run(_two_layers, *args, serialize_compute=setting)
+        out = _run(_two_layers, *args, order_compute=setting)
         assert _barriers() == ties
         torch.testing.assert_close(out, _two_layers(*args), rtol=1e-4, atol=1e-2)
 

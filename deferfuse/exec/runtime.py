@@ -52,7 +52,7 @@ class _Ref:
 
 class Step:
     """One node of a Program.  ``ordered_by``: the index of the argument through which the step
-    runs after the previous ordered step (``serialize_compute``), or None."""
+    runs after the previous ordered step (``order_compute``), or None."""
 
     __slots__ = ("rule", "ctx", "args", "kwargs", "outs", "out_metas", "source", "op", "ordered_by")
 
@@ -156,15 +156,14 @@ class Program:
         return outputs, jnp.stack(flags), jnp.stack(values)
 
 
-# XLA's CPU runtime runs the thunks of a computation as their data dependences allow, so two
-# independent matrix products (the weight and input gradients of one layer) run at the same
-# time, each already split over every core by its dot library: they evict each other's tiles
-# and wait on each other's threads.  An optimization barrier that groups a product's
-# left-hand operand with the previous product's result makes the operand, and so the product,
-# wait for it: the products then run one at a time, in record order, as eager runs them.  The
-# barrier also materializes that operand in XLA's default row-major layout, so a transposed
-# left-hand side (x.t() @ g, a weight gradient) is copied once instead of read across rows, which
-# XLA's CPU dot runs at about half its speed (python -m bench.dots, transposed lhs).
+# XLA's CPU dot (YNNPACK) reads its left-hand side row by row: a transposed one (x.t() @ g, every
+# weight gradient) went to a slower Eigen kernel, at about half the speed (python -m bench.dots,
+# transposed lhs), and XLA's runtime started independent products (a layer's weight and input
+# gradients) together, each spread over every core already.  An optimization barrier grouping a
+# product's left-hand operand with the previous product's result makes XLA materialize the
+# operand row-major and ties the products in record order.  XLA drops the barrier once it has
+# optimized, so its runtime may still overlap two products; measured on the GPT step, the tie
+# beat materializing the operand alone (docs/performance.md, training).
 def _ordered_after(args: tuple, index: int, previous: Any) -> tuple:
     """``args`` with ``args[index]`` available only once ``previous`` is computed."""
     operand, _ = lax.optimization_barrier((args[index], previous))
@@ -301,7 +300,7 @@ def build(nodes: list[Node], outputs: list[Value]):
     def make_program() -> Program:
         steps = []
         scalar_list: list[float] = []
-        ordering = config.get("serialize_compute") and jax.default_backend() == "cpu"
+        ordering = config.get("order_compute") and jax.default_backend() == "cpu"
         for node, first in zip(nodes, first_out):
             args_t, _ = _template(node.args, index, leaves, scalar_list)
             kwargs_t = {k: _template(v, index, leaves, scalar_list)[0] for k, v in node.kwargs.items()}

@@ -80,7 +80,7 @@ ORDER_MIN_FLOPS = 1 << 22
 def ordering_operand(node: Node) -> Optional[int]:
     """Where ``node`` is a matrix product or convolution big enough to spread over the cores,
     the index of the argument through which the computation orders it after the previous one
-    (``serialize_compute``, exec/runtime.py); else None.  Decided by shapes alone, which the
+    (``order_compute``, exec/runtime.py); else None.  Decided by shapes alone, which the
     computation's signature holds."""
     index = _LHS.get(node.op)
     if index is None or flops(node) < ORDER_MIN_FLOPS:
