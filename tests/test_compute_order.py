@@ -129,3 +129,24 @@ def test_a_training_step_matches_strict_with_ordering():
     torch.testing.assert_close(loss, expected)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_only_a_cpu_backend_gets_ties(monkeypatch):
+    # (on a GPU or TPU XLA's runtime and layouts differ: the program is left as it was)
+    from deferfuse.exec import runtime
+    monkeypatch.setattr(runtime.jax, "default_backend", lambda: "gpu")
+    args = _inputs()
+    with config.override(always_compile=True, cache_dir=""):
+        program = None
+        real_build = runtime.build
+
+        def spying_build(nodes, outputs):
+            nonlocal program
+            sig, make_program, leaves, scalars = real_build(nodes, outputs)
+            program = make_program
+            return sig, make_program, leaves, scalars
+
+        monkeypatch.setattr(runtime, "build", spying_build)
+        _run(_two_layers, *args)
+    assert program is not None
+    assert all(step.ordered_by is None for step in program().steps)
