@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import config
 from ..errors import FallbackReason, FlushReason
 from ..exec import runtime
-from ..debugging.source import user_line, user_line_from, user_source
+from ..debugging.source import forget_frames, user_line, user_line_from, user_source
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..ir.meta import TensorMeta
@@ -1629,6 +1629,7 @@ class DeferMode(TorchDispatchMode):
                 self.recorder.guarding_reads = False
                 _READ_PATCHES.release()
         finally:
+            forget_frames()
             super().__exit__(exc_type, exc_value, traceback)
 
 

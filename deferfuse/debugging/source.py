@@ -91,13 +91,59 @@ class SourceLine:
 def user_line() -> Optional[SourceLine]:
     """The place in the user's code that made the current call (the frame ``user_source``
     names); its line number is worked out only when it is printed."""
-    frame = _first_user_frame(sys._getframe(1))
-    return None if frame is None else SourceLine(frame.f_code, frame.f_lasti)
+    return _place(sys._getframe(1))
 
 
 def user_line_from(frame) -> Optional[SourceLine]:
     """``user_line()`` for a caller that knows how many of its own frames to skip: the walk
     starts at ``frame`` (the recorder's fast path passes the frame above its dispatch entry,
     saving the lookups of its own frames on every op)."""
-    frame = _first_user_frame(frame)
-    return None if frame is None else SourceLine(frame.f_code, frame.f_lasti)
+    return _place(frame)
+
+
+# The place is taken for every recorded op, and walking up the stack makes a frame object for
+# each of torch's frames on the way (a backward op: four of autograd's; an optimizer's: its
+# step wrappers), ~3 µs an op.  Consecutive ops usually leave deferfuse's own frames at the
+# same running frame of torch's (the autograd engine's call, an optimizer's loop), and while
+# that frame runs, the frames above it are suspended in the same calls: the same caller, at
+# the same instruction.  So the last answer is kept with that frame and its caller, and holds
+# while both are the same objects and the caller is at the same instruction.  The frames are
+# held until the next walk, or until the defer block ends (``forget_frames``).
+_OWN_DIR = os.path.dirname(sys.modules["deferfuse"].__file__) + os.sep
+_IS_OWN: dict = {}   # code object -> whether it is deferfuse's
+_NO_WALK = (None, None, -1, None)
+_last_walk: tuple = _NO_WALK   # (frame, its f_back, that one's f_lasti, place)
+
+
+def _place(frame) -> Optional[SourceLine]:
+    own = _IS_OWN
+    while frame is not None:
+        code = frame.f_code
+        is_own = own.get(code)
+        if is_own is None:
+            is_own = own[code] = code.co_filename.startswith(_OWN_DIR)
+        if not is_own:
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    internal = _IS_INTERNAL.get(code)
+    if internal is None:
+        internal = _is_internal(code)
+    if not internal:
+        return SourceLine(code, frame.f_lasti)
+    global _last_walk
+    start, back, back_lasti, place = _last_walk
+    caller = frame.f_back
+    if frame is start and caller is back and (caller is None or caller.f_lasti == back_lasti):
+        return place
+    user = _first_user_frame(caller)
+    place = None if user is None else SourceLine(user.f_code, user.f_lasti)
+    _last_walk = (frame, caller, -1 if caller is None else caller.f_lasti, place)
+    return place
+
+
+def forget_frames() -> None:
+    """Drop the frames the last walk keeps (their locals stay alive while they are held)."""
+    global _last_walk
+    _last_walk = _NO_WALK
