@@ -83,7 +83,8 @@ def ordering_operand(node: Node) -> Optional[int]:
     (``order_compute``, exec/runtime.py); else None.  Decided by shapes alone, which the
     computation's signature holds."""
     index = _LHS.get(node.op)
-    if index is None or flops(node) < ORDER_MIN_FLOPS:
+    if index is None or len(node.args) <= index or not isinstance(node.args[index], graph.Value) \
+            or flops(node) < ORDER_MIN_FLOPS:
         return None
     return index
 
