@@ -32,6 +32,14 @@ PROGRAMS = [
     # repeated scalars share one RuntimeScalar; zeros of both signs and nans never do
     lambda x, y, i: (1 / x.mul(0.0) + 1 / x.mul(-0.0) + 1 / y.mul(0.0)) * 0.25 * 0.25,
     lambda x, y, i: x.add(float("nan")).add(float("nan")).mul(-0.0).reciprocal(),
+    # views of deferred tensors (record_fast's view form): no node, the base's storage
+    lambda x, y, i: (x * 2).t().reshape(9) * (y * 1).view(-1),
+    lambda x, y, i: (x + 1).unsqueeze(0).expand(2, 3, 3).permute(2, 0, 1).detach() * y[0],
+    lambda x, y, i: (x * 1).diagonal(offset=-1) + (y * 1).select(-1, 0)[:2].flip(0),
+    lambda x, y, i: (x * 1).transpose(-1, -2)[1:, ::2].clone().mul_(3) + 1,
+    lambda x, y, i: (i * 2).view(torch.int64).view(1, 9).squeeze(0)[2:],   # integer views
+    lambda x, y, i: (x > 0).t() & (y < 0),                                  # bool views
+    lambda x, y, i: torch.ops.aten.alias(x * 1).view(3, 1, 3).expand(3, 0, 3).sum(1),   # 0-size
 ]
 
 
@@ -100,6 +108,47 @@ def test_the_fast_path_takes_the_commonest_calls(monkeypatch):
         for _ in range(3):
             y = x * 2.0
     assert taken == [False, True, True, True]
+
+
+def test_views_of_deferred_tensors_take_the_fast_path(monkeypatch):
+    taken = []
+    original = recorder.Recorder.record_fast
+
+    def counting(self, func, form, args, kwargs):
+        result = original(self, func, form, args, kwargs)
+        if form.view:
+            taken.append((str(func), result is not NotImplemented))
+        return result
+    monkeypatch.setattr(recorder.Recorder, "record_fast", counting)
+    x = torch.randn(6, 139)
+    with deferfuse.defer(), deferfuse.config.override(eager_blocks=False):
+        y = x * 2.0
+        for _ in range(2):
+            y.t()
+            y.view(139, 6)
+    # first sight: the general path infers and caches the view's metadata; then the fast path
+    assert taken == [("aten.t.default", False), ("aten.view.default", False),
+                     ("aten.t.default", True), ("aten.view.default", True)]
+
+
+def test_a_view_of_a_plain_tensor_is_a_plain_view():
+    """The fast path takes views of deferred tensors only: a user tensor's view is a real view
+    of its memory, made at once, as the general path does."""
+    x = torch.randn(4, 5)
+    with deferfuse.defer():
+        for _ in range(2):
+            v = x.t()
+            assert type(v) is torch.Tensor and v.data_ptr() == x.data_ptr()
+
+
+def test_a_lazy_bit_view_of_a_deferred_view_keeps_its_bits():
+    """A view of a conjugate view takes the general path, which gives the view the bits."""
+    z = torch.tensor([[1 + 2j, -3 - 0.5j], [0.25j, 2 + 0j]])
+    expected = (z * 2.0).conj().t() * 1.5
+    for _ in range(3):
+        with deferfuse.defer():
+            got = (z * 2.0).conj().t() * 1.5
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_every_node_lists_the_values_among_its_arguments():

@@ -113,6 +113,33 @@ def test_view_of_a_big_tensor_with_a_pending_reader():
     assert_same(strict_in, defer_in)
 
 
+@pytest.mark.parametrize("value", [torch.tensor(3), torch.tensor([True]), torch.tensor(-0.0),
+                                   torch.tensor(float("nan"), dtype=torch.float64),
+                                   torch.tensor([1 + 2j]).conj(), torch.tensor([[7.5]])])
+@pytest.mark.parametrize("host_scalars", [True, False])
+def test_item_of_a_computed_scalar_reads_it_at_once(value, host_scalars):
+    x = torch.randn(4)
+    deferfuse.reset_stats()
+    with deferfuse.config.override(host_scalars_at_once=host_scalars), deferfuse.defer():
+        y = x * 2
+        got = value.item()
+        if host_scalars or not value.is_conj():
+            # (a conjugate view is resolved by an op first: recorded, with the setting off)
+            assert STATS.flushes == {}
+    expected = value.item()
+    assert type(got) is type(expected)
+    assert got == expected or (got != got and expected != expected)
+    assert_same(x * 2, y)
+
+
+def test_item_of_a_scalar_in_pending_memory_flushes():
+    x = torch.zeros(3)
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        x.add_(torch.arange(3.0) + 1)
+        assert x[1].item() == 2.0
+        assert STATS.flushes
+
+
 def test_setting_off_records_the_op():
     step = torch.tensor(0.0)
     deferfuse.reset_stats()

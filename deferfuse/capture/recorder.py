@@ -47,6 +47,7 @@ from .tensor import DeferredTensor
 from .unroll import DECOMPOSITIONS, unroll_foreach
 
 aten = torch.ops.aten
+_LOCAL_SCALAR_DENSE = aten._local_scalar_dense.default
 # (torch's own method: our code's reads of storages skip the wrapper of _READ_PATCHES)
 _untyped_storage = torch._C.TensorBase.untyped_storage
 
@@ -128,6 +129,7 @@ def _flat_meta(state: StorageState) -> TensorMeta:
 # Views that set a lazy bit (x.conj() of a complex tensor, the negation view autograd makes):
 # torch's schemas and tags do not mark them.
 _LAZY_BIT_VIEWS = frozenset({aten._conj.default, aten._neg_view.default})
+_LAZY_BIT_VIEW_IDS = frozenset(id(op) for op in _LAZY_BIT_VIEWS)
 
 # Per op, what dispatch needs on every call: (OpInfo, our special form or None, the op's name
 # for cache keys).  Keyed by id: OpOverloads are immortal singletons whose __hash__ is Python.
@@ -150,11 +152,13 @@ class _FastForm(NamedTuple):
     functional: Any = None
     functional_name: str = ""
     overlap: Optional[str] = None
+    view: bool = False
 
 
 # Per op, its fast path's form, or None where it has none: a pure op with one tensor result
-# that neither decomposes itself nor has a special form of ours, or an in-place op whose
-# functional twin is such an op and takes the same arguments (``_inplace_twin``).
+# that neither decomposes itself nor has a special form of ours, an in-place op whose
+# functional twin is such an op and takes the same arguments (``_inplace_twin``), or a view op
+# with one result (not the lazy conjugate and negative views).
 _FAST: dict[int, Optional[_FastForm]] = {}
 _UNSEEN = object()
 
@@ -166,6 +170,8 @@ def _fast_form(func: torch._ops.OpOverload) -> Optional[_FastForm]:
         scalar_at = tuple(n in info.scalar_args for n in info.arg_names)
         if info.kind is OpKind.PURE and info.returns == "one":
             form = _FastForm(name, scalar_at, info.scalar_args)
+        elif info.kind is OpKind.VIEW and info.returns == "one" and id(func) not in _LAZY_BIT_VIEW_IDS:
+            form = _FastForm(name, scalar_at, info.scalar_args, view=True)
         elif info.kind is OpKind.MUTATING:
             twin = _INPLACE_TWINS.get(id(func), _UNKNOWN)
             if twin is _UNKNOWN:
@@ -463,9 +469,11 @@ class Recorder:
     def record_fast(self, func: torch._ops.OpOverload, form: "_FastForm", args: tuple, kwargs: dict) -> Any:
         """The commonest calls, in few frames: a pure op with one result, or an in-place op
         recorded as its functional twin, whose metadata is cached.  The same nodes, keys and
-        results as the general path (``record``, ``_record_inplace``), which this must stay
-        equal to.  NotImplemented where the general path must run; nothing has been recorded
-        then but cached reads of the arguments, which it reuses."""
+        results as the general path (``record``, ``_record_inplace``, ``record_view``), which
+        this must stay equal to.  NotImplemented where the general path must run; nothing has
+        been recorded then but cached reads of the arguments, which it reuses."""
+        if form.view:
+            return self._view_fast(form, args, kwargs)
         converted = self._convert_fast(form, args, kwargs)
         if converted is None:
             return NotImplemented
@@ -506,6 +514,25 @@ class Recorder:
         if self.pending_nodes > self.max_pending:
             self.flush_all(FlushReason.NODE_LIMIT)
         return result
+
+    def _view_fast(self, form: "_FastForm", args: tuple, kwargs: dict) -> Any:
+        """``record_view`` for a view of a deferred tensor (no lazy bits) whose metadata is
+        cached: a deferred tensor on the same storage with the view's metadata; no node."""
+        base = args[0] if args else None
+        if type(base) is not DeferredTensor or base._lazy_bits:
+            return NotImplemented
+        converted = self._convert_fast(form, args, kwargs)
+        if converted is None:
+            return NotImplemented
+        entry = meta_.cached((form.name, converted[2]))
+        if entry is None:
+            return NotImplemented
+        out = entry.outs[0]
+        state = base._storage
+        if out is None or out.dtype != state.dtype:
+            return NotImplemented
+        STATS.ops_recorded += 1
+        return DeferredTensor(out, state, self)
 
     def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         STATS.ops_recorded += 1
@@ -619,6 +646,18 @@ class Recorder:
         for t in _tensors_in(out):
             at_once[id(t)] = (weakref.ref(t), func, site)
         return out
+
+    def item_if_computed(self, t: torch.Tensor) -> Any:
+        """``t.item()`` of a plain CPU tensor with no pending contents, read at once: what the
+        general path (run_observing) does for it, without the way there.  NotImplemented
+        otherwise."""
+        if t.layout is not torch.strided or t.device.type != "cpu":
+            return NotImplemented
+        state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
+        if state is not None and state.contents is not None:
+            return NotImplemented
+        STATS.ops_recorded += 1
+        return _LOCAL_SCALAR_DENSE(t)
 
     def at_once_if_host_scalar(self, func, args: tuple, kwargs: dict) -> Any:
         """Run a pointwise op at once on torch's kernel when every tensor it touches is a plain
@@ -952,7 +991,8 @@ class Recorder:
         if written:
             # pending ops that read what this op overwrites must see the old data
             self.flush_all(flush_reason or FlushReason.FALLBACK)
-        real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK)
+        real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK,
+                                              exposes=info.kind not in _FRESH_RESULT_KINDS)
         out = func(*real_args, **real_kwargs)
         if written:
             self._forget_plain()   # (an out= tensor may have been resized)
@@ -966,8 +1006,10 @@ class Recorder:
             return _map_returned(out, real_written, written)
         return out
 
-    def realize(self, tree: Any, reason: FlushReason) -> Any:
-        """``tree`` with every DeferredTensor replaced by its data, pending storages written back."""
+    def realize(self, tree: Any, reason: FlushReason, exposes: bool = True) -> Any:
+        """``tree`` with every DeferredTensor replaced by its data, pending storages written back
+        (``exposes``: False where the data is only read, by an op whose results alias none of
+        its arguments)."""
         tensors = _tensors_in(tree)
         states = []
         for t in tensors:
@@ -978,7 +1020,7 @@ class Recorder:
                 if state is not None:
                     states.append(state)
         materialize_states([s for s in states if s.contents is not None], reason, self)
-        return _map_tensors(tree, lambda t: t._materialize() if isinstance(t, DeferredTensor) else t)
+        return _map_tensors(tree, lambda t: t._materialize(exposes=exposes) if isinstance(t, DeferredTensor) else t)
 
     # -- flushing ------------------------------------------------------------------------------
     def pending_states(self) -> list[StorageState]:
@@ -1024,15 +1066,24 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
         all_states = states
         to_compute = [v for v in targets if v.result is None]
         trigger = user_source() if recorder is None or recorder.record_source else None
+        # (whether this flush computes a target's result: then the memory is its own to adopt)
+        fresh_results = [v.result is None for v in targets]
         computed = iter(runtime.execute(nodes, to_compute, reason.value, trigger) if to_compute else [])
-        results = [v.result if v.result is not None else next(computed) for v in targets]
-        for s, value, result in zip(all_states, targets, results):
+        results = [(next(computed), True) if fresh else (v.result, False)
+                   for v, fresh in zip(targets, fresh_results)]
+        adopted: set[int] = set()
+        for s, value, (result, fresh) in zip(all_states, targets, results):
             flat = result.reshape(-1)
             if s.buffer is None:
+                if adopted and _raw_data_ptr(flat) in adopted:
+                    flat = flat.clone()   # (another storage of this flush holds that memory)
                 s.buffer = flat
                 ptr = _untyped_storage(flat).data_ptr()
                 if ptr:
                     _STATES_BY_PTR[ptr] = s
+                s.owned = fresh and _adoptable(flat, s, adopted)
+            elif s.owned and fresh and _adoptable(flat, s, adopted):
+                _adopt(s, flat)
             else:
                 if snapshot:
                     _snapshot_old_leaves(s)
@@ -1116,20 +1167,42 @@ def _add_shared_work(root: Node, computed: set[int]) -> None:
 
 def _touches(root: Node, computed: set[int], written: set[int], memo: dict[int, bool]) -> bool:
     """Whether ``root`` or a pending node above it is computed by this flush or reads memory it
-    writes back (iterative: pending graphs may be deep)."""
+    writes back (iterative: pending graphs may be deep).  Plain loops rather than generators:
+    a flush at the end of a training step walks every pending node through here."""
     stack = [(root, False)]
+    pop, push = stack.pop, stack.append
     while stack:
-        node, expanded = stack.pop()
-        if node.id in memo:
+        node, expanded = pop()
+        nid = node.id
+        if nid in memo:
             continue
+        inputs = node.inputs
         if not expanded:
-            if node.id in computed or any(id(v) in written for v in node.inputs):
-                memo[node.id] = True
+            if nid in computed:
+                memo[nid] = True
                 continue
-            stack.append((node, True))
-            stack.extend((v.node, False) for v in node.inputs if v.result is None and v.node.id not in memo)
+            if written:
+                hit = False
+                for v in inputs:
+                    if id(v) in written:
+                        hit = True
+                        break
+                if hit:
+                    memo[nid] = True
+                    continue
+            push((node, True))
+            for v in inputs:
+                if v.result is None:
+                    above = v.node
+                    if above.id not in memo:
+                        push((above, False))
         else:
-            memo[node.id] = any(memo.get(v.node.id, False) for v in node.inputs if v.result is None)
+            found = False
+            for v in inputs:
+                if v.result is None and memo.get(v.node.id, False):
+                    found = True
+                    break
+            memo[nid] = found
     return memo.get(root.id, False)
 
 
@@ -1153,6 +1226,38 @@ def _write_back(buffer: torch.Tensor, flat: torch.Tensor) -> None:
         ctypes.memmove(_raw_data_ptr(buffer), _raw_data_ptr(flat), nbytes)
     else:
         buffer.copy_(flat)
+
+
+# Kinds of ops whose results never alias their arguments' memory: running one on a deferred
+# tensor's data does not hand that memory out (see StorageState.owned).
+_FRESH_RESULT_KINDS = frozenset({OpKind.PURE, OpKind.OBSERVING, OpKind.DYNAMIC})
+
+
+def _adoptable(flat: torch.Tensor, s: StorageState, adopted: set[int]) -> bool:
+    """Whether a state may keep ``flat``, a result this flush computed, as its memory: its own
+    (no other result of the flush lies in it), dense and of the storage's size and dtype."""
+    if flat.device.type != "cpu" or flat.dtype != s.dtype or flat.numel() != s.numel \
+            or not flat.is_contiguous():
+        return False
+    ptr = _raw_data_ptr(flat)
+    if not ptr or ptr in adopted:
+        return False
+    adopted.add(ptr)
+    return True
+
+
+def _adopt(s: StorageState, flat: torch.Tensor) -> None:
+    """The new contents of a storage whose memory nothing outside deferfuse has seen become its
+    memory, instead of being copied into the old one (an optimizer's state, updated every step).
+    Pending nodes that read the old memory keep it, unchanged, through their graph inputs."""
+    old = _raw_data_ptr(s.buffer)
+    if old and _STATES_BY_PTR.get(old) is s:
+        del _STATES_BY_PTR[old]
+    s.buffer = flat
+    ptr = _raw_data_ptr(flat)
+    if ptr:
+        _STATES_BY_PTR[ptr] = s
+    s.old_leaves = []
 
 
 def _snapshot_old_leaves(s: StorageState) -> None:
@@ -1578,8 +1683,14 @@ def _defer_dispatch(self, func, types, args=(), kwargs=None):
     """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
     recorder = self.recorder
     kwargs = kwargs or {}
-    if args and type(args[0]) is torch.Tensor and recorder.host_scalars and args[0].numel() <= 1:
-        result = recorder.at_once_if_host_scalar(func, args, kwargs)
+    if args and type(args[0]) is torch.Tensor and args[0].numel() <= 1:
+        if func is _LOCAL_SCALAR_DENSE:
+            # (an optimizer's step counter read with .item() every step)
+            result = recorder.item_if_computed(args[0])
+        elif recorder.host_scalars:
+            result = recorder.at_once_if_host_scalar(func, args, kwargs)
+        else:
+            result = NotImplemented
         if result is not NotImplemented:
             return result
     if id(func) in meta_.LONE_OPS and recorder.eager_lone:
@@ -1709,8 +1820,11 @@ def dispatch_outside_context(func, args, kwargs) -> Any:
     for t in tensors:
         if isinstance(t, DeferredTensor) and t._storage.contents is not None:
             materialize_states([t._storage], FlushReason.ESCAPE, t._recorder if t._recorder.active else None)
-    real_args = _map_tensors(args, lambda t: t._materialize() if isinstance(t, DeferredTensor) else t)
-    real_kwargs = _map_tensors(kwargs, lambda t: t._materialize() if isinstance(t, DeferredTensor) else t)
+    exposes = info.kind not in _FRESH_RESULT_KINDS
+
+    def real(t):
+        return t._materialize(exposes=exposes) if isinstance(t, DeferredTensor) else t
+    real_args, real_kwargs = _map_tensors(args, real), _map_tensors(kwargs, real)
     out = func(*real_args, **real_kwargs)
     if info.written:
         written = _written_arguments(func, info, args, kwargs)

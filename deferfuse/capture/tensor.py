@@ -73,12 +73,17 @@ class DeferredTensor(torch.Tensor):
         return dispatch_outside_context(func, args, kwargs or {})
 
     # -- materialization ---------------------------------------------------------------------
-    def _materialize(self, reason: FlushReason = FlushReason.SYNC) -> torch.Tensor:
-        """The real data of this tensor (a view of its storage's buffer), computing it if needed."""
+    def _materialize(self, reason: FlushReason = FlushReason.SYNC, exposes: bool = True) -> torch.Tensor:
+        """The real data of this tensor (a view of its storage's buffer), computing it if needed.
+        ``exposes``: the caller may keep the view (or a pointer to its memory), so the storage
+        keeps that memory from now on (its later contents are copied into it); False for callers
+        that only copy the data out."""
         storage = self._storage
         if storage.contents is not None:
             from .recorder import materialize_states
             materialize_states([storage], reason, self._recorder)
+        if exposes:
+            storage.owned = False
         m = self._meta
         buffer = storage.buffer
         if m.dtype != buffer.dtype:      # a real view of complex memory (view_as_real)
@@ -90,16 +95,17 @@ class DeferredTensor(torch.Tensor):
             data = data._neg_view()
         return data
 
-    def _observe(self, reason: FlushReason, use):
+    def _observe(self, reason: FlushReason, use, exposes: bool = True):
         """Materialize, then run ``use(data)`` with no dispatch mode active (torch calls made while
-        reading the data, such as numpy()'s detach, must not be recorded)."""
+        reading the data, such as numpy()'s detach, must not be recorded).  ``exposes``: False
+        where ``use`` only copies the data out."""
         from .recorder import no_dispatch
         with no_dispatch():
-            return use(self._materialize(reason))
+            return use(self._materialize(reason, exposes))
 
     # -- observation points ------------------------------------------------------------------
     def tolist(self):
-        return self._observe(FlushReason.TOLIST, lambda d: d.tolist())
+        return self._observe(FlushReason.TOLIST, lambda d: d.tolist(), exposes=False)
 
     def numpy(self, *, force: bool = False):
         if self.requires_grad and not force:
@@ -122,7 +128,7 @@ class DeferredTensor(torch.Tensor):
         return self._observe(FlushReason.DATA_PTR, lambda d: d.__dlpack__(*args, **kwargs))
 
     def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:
-        text = self._observe(FlushReason.REPR, repr)
+        text = self._observe(FlushReason.REPR, repr, exposes=False)
         if self.grad_fn is not None:
             text = text[:-1] + f", grad_fn=<{type(self.grad_fn).__name__}>)"
         elif self.requires_grad:
@@ -134,7 +140,7 @@ class DeferredTensor(torch.Tensor):
         return text
 
     def _plain_copy(self) -> torch.Tensor:
-        data = self._observe(FlushReason.SERIALIZE, lambda d: d.detach().clone())
+        data = self._observe(FlushReason.SERIALIZE, lambda d: d.detach().clone(), exposes=False)
         return data.requires_grad_(self.requires_grad)
 
     def __reduce_ex__(self, protocol):

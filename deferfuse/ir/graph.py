@@ -167,7 +167,7 @@ class StorageState:
     """
 
     __slots__ = ("buffer", "contents", "version", "numel", "dtype", "device", "reads", "leaf",
-                 "old_leaves", "epoch", "__weakref__")
+                 "old_leaves", "epoch", "owned", "__weakref__")
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
                  buffer: Optional[torch.Tensor] = None, contents: Any = None) -> None:
@@ -186,6 +186,10 @@ class StorageState:
         self.old_leaves: list = []
         # the defer context whose reads are cached: memory may change between contexts
         self.epoch = -1
+        # ``buffer`` is memory a computation returned that nothing outside deferfuse has seen
+        # (no view, pointer or array of it was handed out): a flush may replace it with the
+        # memory of the new contents instead of copying them into it
+        self.owned = False
 
     def changed(self) -> None:
         """The contents or their representation changed: cached reads are stale."""
