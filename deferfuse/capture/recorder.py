@@ -452,6 +452,13 @@ class Recorder:
                     vargs.append(_SCALARS.get(a) or _runtime_scalar(a))
                     kparts.append(float)
                     scalars.append(a)
+                elif type(a) is int:
+                    # (dims and sizes: static, their own key; what _convert_one gives them)
+                    vargs.append(a)
+                    kparts.append(a)
+                elif type(a) is list and _ints_only(a):
+                    vargs.append(list(a))
+                    kparts.append(tuple(a))
                 else:
                     v, _, k = self._convert_one(a, i < n_named and scalar_at[i], found, scalars)
                     vargs.append(v)
@@ -473,7 +480,7 @@ class Recorder:
         this must stay equal to.  NotImplemented where the general path must run; nothing has
         been recorded then but cached reads of the arguments, which it reuses."""
         if form.view:
-            return self._view_fast(form, args, kwargs)
+            return self._view_fast(func, form, args, kwargs)
         converted = self._convert_fast(form, args, kwargs)
         if converted is None:
             return NotImplemented
@@ -515,11 +522,23 @@ class Recorder:
             self.flush_all(FlushReason.NODE_LIMIT)
         return result
 
-    def _view_fast(self, form: "_FastForm", args: tuple, kwargs: dict) -> Any:
+    def _view_fast(self, func, form: "_FastForm", args: tuple, kwargs: dict) -> Any:
         """``record_view`` for a view of a deferred tensor (no lazy bits) whose metadata is
-        cached: a deferred tensor on the same storage with the view's metadata; no node."""
+        cached: a deferred tensor on the same storage with the view's metadata, no node; and
+        for a view of a user tensor with no other tensor argument: the real view."""
         base = args[0] if args else None
-        if type(base) is not DeferredTensor or base._lazy_bits:
+        if type(base) is not DeferredTensor:
+            if not isinstance(base, torch.Tensor) or isinstance(base, DeferredTensor) or kwargs:
+                return NotImplemented
+            for a in args[1:]:
+                if isinstance(a, torch.Tensor) or type(a) in (list, tuple) and not _ints_only(a):
+                    return NotImplemented
+            # a view of a user tensor: a real view of its memory, made at once (record_view)
+            if self.at_once:
+                self._unmark_lone(base)
+            STATS.ops_recorded += 1
+            return func(*args)
+        if base._lazy_bits:
             return NotImplemented
         converted = self._convert_fast(form, args, kwargs)
         if converted is None:
@@ -1779,6 +1798,13 @@ def _runtime_scalar(a: float) -> RuntimeScalar:
                 _SCALARS.clear()
             _SCALARS[a] = r
     return r
+
+
+def _ints_only(items) -> bool:
+    for x in items:
+        if type(x) is not int:
+            return False
+    return True
 
 
 def _static_key(a: Any, is_scalar_arg: bool) -> Any:
