@@ -501,6 +501,9 @@ class _Timers:
 
     TARGETS = (
         ("deferfuse.capture.recorder", "materialize_states", "flush (all, inclusive)"),
+        ("deferfuse.capture.recorder", "_widen", "  widen to what shares work"),
+        ("deferfuse.capture.recorder", "_write_back", "  write-back into memory (copies)"),
+        ("deferfuse.capture.recorder", "_release", "  release computed nodes"),
         ("deferfuse.plan.partition", "partition", "  plan (partition)"),
         ("deferfuse.exec.runtime", "execute_eager", "  eager replay"),
         ("deferfuse.exec.runtime", "execute_xla", "  xla (inclusive)"),
@@ -855,8 +858,9 @@ def run(args: argparse.Namespace, cache_dir: str) -> int:
         print("  profiles ...", flush=True)
         if "strict" in trainers:
             profiles["strict_torch_profiler"] = profile_strict_step(trainers["strict"])
-        if "defer" in trainers and timings["defer"].status == "ok":
-            profiles["defer"] = profile_defer_step(trainers["defer"].step)
+        for name in ("defer", "deferred"):
+            if name in trainers and timings[name].status == "ok":
+                profiles[name] = profile_defer_step(trainers[name].step)
 
     print("  correctness: a fresh strict run to every candidate's step count ...", flush=True)
     losses, params = {}, {}
@@ -946,14 +950,17 @@ def run(args: argparse.Namespace, cache_dir: str) -> int:
         print(f"strict profile: matmuls (mm/addmm/bmm) {100 * p['matmul_fraction_of_self_cpu']:.0f}% "
               f"of {p['self_cpu_total_ms']:.0f} ms self CPU time "
               f"({', '.join(f'{k} {v:.0f}' for k, v in p['matmul_self_ms'].items())} ms)")
-    if profiles.get("defer"):
-        split = profiles["defer"]["wrapped_timers_ms"]
-        print("defer step, wall-clock split (ms):")
+    for name in ("defer", "deferred"):
+        if not profiles.get(name):
+            continue
+        split = profiles[name]["wrapped_timers_ms"]
+        print(f"{name} step, wall-clock split (ms; calls):")
         for label, value in split.items():
             if label != "calls":
-                print(f"  {label:72s} {value:8.1f}")
-        print("defer step, cProfile self time by library (ms): " + ", ".join(
-            f"{k} {v:.0f}" for k, v in profiles["defer"]["cprofile_tottime_by_library_ms"][:8]))
+                calls = split["calls"].get(label)
+                print(f"  {label:72s} {value:8.1f}" + ("" if calls is None else f"  {calls:5d}"))
+        print(f"{name} step, cProfile self time by library (ms): " + ", ".join(
+            f"{k} {v:.0f}" for k, v in profiles[name]["cprofile_tottime_by_library_ms"][:8]))
     path = save_results(args.name, [result], {
         "elapsed_s": time.perf_counter() - started, "machine_at_start": machine_at_start,
         "deferfuse_cache_dir": cache_dir, "summary": summary, "correctness": checks,
