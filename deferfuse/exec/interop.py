@@ -44,9 +44,12 @@ def _direct_crossings():
             if jaxlib_extension_version < 467:
                 raise ImportError("older DLPack import signature")
             cpu = 1   # DLDeviceType.kDLCPU
+            to_capsule = torch._C._to_dlpack
 
             def import_(t: torch.Tensor):
-                return _jax.dlpack_managed_tensor_to_buffer(t.__dlpack__(), device, None, None, cpu)
+                # (torch's C export, which Tensor.__dlpack__ calls for a CPU tensor after
+                # Python-level checks that to_jax has made: ~1.7 of its ~4.5 us)
+                return _jax.dlpack_managed_tensor_to_buffer(to_capsule(t), device, None, None, cpu)
 
             def export(a) -> torch.Tensor:
                 # (torch.from_dlpack of a capsule only forwards it to this, after a failed
