@@ -8,6 +8,12 @@ thunk by kind (``ynn_fusion`` are dots and what XNNPACK fused into them, ``copy_
 are layout changes, the rest are loop fusions of memory-bound work). Then torch.profiler sums the
 strict step's aten ops the same way. The question it answers: is the gap between XLA and torch
 in the matmuls or in the memory-bound work that fusion is meant to speed up?
+
+    .venv/bin/python -m bench.xla_profile --defer [--steps 3]
+
+profiles the deferred step instead (``eager_blocks=False``: one XLA computation a step) and sums
+its dots (``ynn_fusion`` thunks) by output shape, read from the optimized HLO of the step's
+executable: which products the executable's time goes to, and how fast each kind runs.
 """
 
 from __future__ import annotations
@@ -69,6 +75,45 @@ def xla_breakdown(steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
     return median, {k: (total[k], count[k] // steps) for k in total}
 
 
+def _trace_events(folder: str) -> list:
+    (trace,) = glob.glob(os.path.join(folder, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+    return json.load(gzip.open(trace))["traceEvents"]
+
+
+def defer_breakdown(steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """The deferred step's thunks: dots by output shape (from the optimized HLO), the rest by
+    kind, per step."""
+    import jax
+    import deferfuse
+    from deferfuse.exec import runtime
+    trainer = gpt.TorchTrainer(gpt.make_model(), gpt.make_batches())
+
+    def step():
+        with deferfuse.config.override(eager_blocks=False), deferfuse.defer():
+            trainer.raw_step()
+    for _ in range(12):   # (its first runs replay eagerly while the executable compiles)
+        step()
+    median = _median_ms(step, 5)
+    folder = tempfile.mkdtemp(prefix="deferfuse-xla-profile-")
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        for _ in range(steps):
+            step()
+    hlo = max((c.executable.as_text() for c in runtime._EXECUTABLES.values()), key=len)
+    shape_of = dict(re.findall(r"%(ynn_fusion[.\d]*) = (\S+) fusion\(", hlo))
+    total: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for event in _trace_events(folder):
+        name = event.get("name", "")
+        if event.get("ph") != "X" or name.startswith(("$", "Thunk", "Slinky", "end:", "PjitFunction",
+                                                      "CommonPjRt", "Parse", "Threadpool", "Wait",
+                                                      "PythonRef")):
+            continue
+        kind = ("dot -> " + shape_of[name]) if name in shape_of else re.sub(r"\.\d+$", "", name)
+        total[kind] += event.get("dur", 0) / 1e3 / steps
+        count[kind] += 1
+    return median, {k: (total[k], count[k] // steps) for k in total}
+
+
 def torch_breakdown(steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
     model, batches = gpt.make_model(), gpt.make_batches()
     x, y = batches[0]
@@ -86,8 +131,9 @@ def torch_breakdown(steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
     return median, rows
 
 
-def _table(title: str, median: float, rows: dict[str, tuple[float, int]], top: int) -> str:
-    lines = [f"{title}: median {median:.1f} ms per forward+backward",
+def _table(title: str, median: float, rows: dict[str, tuple[float, int]], top: int,
+           unit: str = "forward+backward") -> str:
+    lines = [f"{title}: median {median:.1f} ms per {unit}",
              f"{'ms/step':>9} {'calls':>6}  kind"]
     for name, (ms, calls) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{ms:9.2f} {calls:6d}  {name}")
@@ -99,7 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--defer", action="store_true",
+                        help="the deferred step's executable, dots by output shape")
     args = parser.parse_args(argv)
+    if args.defer:
+        print(_table("XLA (the deferred step, thunk time summed over threads)",
+                     *defer_breakdown(args.steps), args.top, "training step"))
+        return 0
     print(_table("XLA (jax.jit of the JAX model)", *xla_breakdown(args.steps), args.top))
     print()
     print(_table("torch (strict, aten self time)", *torch_breakdown(args.steps), args.top))
