@@ -6,7 +6,10 @@
 
 The OpInfos run in a worker process; if it crashes or hangs, the case it was running is
 recorded as a failure and a new worker carries on with the next case.  ``--in-process`` runs
-without the worker (faster start, no crash isolation).
+without the worker (faster start, no crash isolation: a crash ends the sweep, and with
+``--progress`` the last "start" line on stderr names the case; a fatal signal also dumps the
+Python stack there).  The JSON's meta holds the disk cache's counts for the run
+(``disk_cache``: deferfuse.exec.diskcache.counts(), summed over the workers that finished).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import faulthandler
 import json
 import os
 import re
@@ -67,11 +71,13 @@ def _parse_shard(text: Optional[str]) -> Optional[tuple[int, int]]:
 # Running
 
 def prepare() -> None:
-    """Settings for a sweep process: no warnings noise, and no on-disk executable cache unless
-    DEFERFUSE_CACHE_DIR asks for one (its key holds deferfuse's version, not its code, so a
-    lowering changed since the last run could be served stale executables)."""
+    """Settings for a sweep process: no warnings noise, a Python stack on a fatal signal, and
+    no on-disk executable cache unless DEFERFUSE_CACHE_DIR asks for one (a sweep checks
+    lowerings: by default every case compiles, as it would after a change)."""
     import warnings
     warnings.simplefilter("ignore")
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     import deferfuse
     if "DEFERFUSE_CACHE_DIR" not in os.environ:
         deferfuse.config.set("cache_dir", "")
@@ -87,6 +93,8 @@ def run_in_process(ops: list, *, max_samples: Optional[int], sink=None, skip_key
     results = []
     for op in ops:
         def on_start(key: str) -> None:
+            if progress:
+                print(f"start    {key}", file=sys.stderr, flush=True)
             if sink is not None:
                 sink.write(json.dumps({"event": "start", "key": key}) + "\n")
                 sink.flush()
@@ -109,8 +117,10 @@ def run_in_process(ops: list, *, max_samples: Optional[int], sink=None, skip_key
     return results
 
 
-def run_isolated(ops: list, *, max_samples: Optional[int], progress: bool = False) -> list:
-    """Run ``ops`` in worker processes, restarting after a crash or a hang."""
+def run_isolated(ops: list, *, max_samples: Optional[int], progress: bool = False,
+                 disk_counts: Optional[collections.Counter] = None) -> list:
+    """Run ``ops`` in worker processes, restarting after a crash or a hang.  The disk cache
+    counts of the workers that finished are added to ``disk_counts``."""
     from .cases import CaseResult, enumerate_cases, op_name
     names = [op_name(op) for op in ops]
     all_keys = [f"{op_name(op)}|{d}|{v}" for op, d, v in enumerate_cases(ops)]
@@ -151,6 +161,9 @@ def run_isolated(ops: list, *, max_samples: Optional[int], progress: bool = Fals
                             continue    # a line cut by the crash
                         if event["event"] == "start":
                             current = event["key"]
+                        elif event["event"] == "disk_cache":
+                            if disk_counts is not None:
+                                disk_counts.update(event["counts"])
                         elif event["event"] == "case":
                             case = CaseResult.from_json(event["case"])
                             done[case.key] = case
@@ -182,6 +195,8 @@ def worker_main(names_file: str, log: str, skip_file: str, max_samples: int, pro
     ops = [by_name[n] for n in names]
     with open(log, "a") as sink:
         run_in_process(ops, max_samples=max_samples or None, sink=sink, skip_keys=skip, progress=progress)
+        from deferfuse.exec import diskcache
+        sink.write(json.dumps({"event": "disk_cache", "counts": diskcache.counts()}) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,12 +465,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         start = time.monotonic()
         if args.in_process:
             results = run_in_process(ops, max_samples=max_samples or None, progress=args.progress)
+            from deferfuse.exec import diskcache
+            disk_counts = collections.Counter(diskcache.counts())
         else:
-            results = run_isolated(ops, max_samples=max_samples or None, progress=args.progress)
+            disk_counts = collections.Counter()
+            results = run_isolated(ops, max_samples=max_samples or None, progress=args.progress,
+                                   disk_counts=disk_counts)
         meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "versions": versions(),
                 "subset": args.subset, "ops": args.ops, "max_samples": max_samples or None,
                 "shard": args.shard, "seconds": round(time.monotonic() - start, 1),
-                "opinfos_in_db": len(op_db())}
+                "opinfos_in_db": len(op_db()), "disk_cache": dict(disk_counts)}
     meta.setdefault("versions", versions())
     if args.json:
         write_json(args.json, results, meta)

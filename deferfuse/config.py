@@ -88,6 +88,9 @@ _declare("fusion_fuel", int, -1,
 _declare("cache_dir", str,
          os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deferfuse"),
          "Folder of the on-disk executable cache; empty turns it off.")
+_declare("cache_max_bytes", int, 1 << 30,
+         "Bound on the on-disk executable cache's folder, in bytes (0: no bound).  Past it, the "
+         "least recently used entries are deleted after a write.  See deferfuse/exec/diskcache.py.")
 _declare("executable_cache_size", int, 512,
          "How many compiled executables to keep in memory, least recently used dropped first "
          "(each holds ~1.6 MB of compiled code on the CPU); 0 keeps all.  A dropped one that "

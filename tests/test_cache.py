@@ -1,5 +1,5 @@
-"""Executable caching: in memory, on disk across processes, and tiered execution; the bounds of
-the in-memory caches."""
+"""Executable caching in memory, and tiered execution; the bounds of the in-memory caches.  The
+disk cache, across processes, is tests/test_disk_cache.py."""
 
 import json
 import os
@@ -10,63 +10,6 @@ import textwrap
 import torch
 
 import deferfuse
-
-PROGRAM = textwrap.dedent("""
-    import json, torch, deferfuse
-    x = torch.arange(1000, dtype=torch.float32)
-    with deferfuse.config.override(always_compile=True):
-        with deferfuse.defer():
-            y = (x * 0.5 + 2.0).tanh() * x
-    s = deferfuse.stats()
-    print(json.dumps({"compiles": s["compiles"], "disk_hits": s["disk_cache_hits"],
-                      "errors": s["disk_cache_errors"], "value": float(y[10])}))
-""")
-
-
-def _run(cache_dir, **extra_env):
-    env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(cache_dir), **extra_env)
-    out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_second_process_compiles_nothing(tmp_path):
-    first = _run(tmp_path)
-    second = _run(tmp_path)
-    assert first["compiles"] >= 1 and first["disk_hits"] == 0
-    assert second["compiles"] == 0 and second["disk_hits"] == first["compiles"]
-    assert second["value"] == first["value"]
-
-
-def test_other_xla_flags_compile_again(tmp_path):
-    # XLA_FLAGS change what XLA compiles (fast math, dot libraries): an executable compiled
-    # under other flags is not loaded
-    plain = _run(tmp_path, XLA_FLAGS="")
-    flagged = _run(tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
-    assert flagged["compiles"] == plain["compiles"] and flagged["disk_hits"] == 0
-    again = _run(tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
-    assert again["compiles"] == 0 and again["disk_hits"] == plain["compiles"]
-
-
-def test_corrupt_cache_entry_is_rebuilt(tmp_path):
-    first = _run(tmp_path)
-    entries = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f.endswith(".xla")]
-    assert entries
-    for path in entries:
-        with open(path, "wb") as f:
-            f.write(b"not an executable")
-    second = _run(tmp_path)
-    assert second["errors"] == len(entries)
-    assert second["compiles"] == first["compiles"]
-    assert second["value"] == first["value"]
-    third = _run(tmp_path)
-    assert third["compiles"] == 0 and third["errors"] == 0
-
-
-def test_disk_cache_can_be_turned_off(tmp_path):
-    with deferfuse.config.override(cache_dir="", always_compile=True):
-        from deferfuse.exec import diskcache
-        assert diskcache.cache_dir() is None
 
 
 def test_new_signature_runs_eagerly_then_compiled():
@@ -206,19 +149,6 @@ def test_one_off_graph_never_imports_jax_or_dynamo(tmp_path):
     assert report["replays"] >= 1 and report["unseen"] == 0 and not report["plain"], report
     assert "jax" not in report["imported"], "JAX was imported by a one-off script"
     assert "torch._dynamo" not in report["imported"], "torch._dynamo was imported by a one-off script"
-
-
-def test_stablehlo_of_an_executable_loaded_from_disk(tmp_path):
-    """A second process loads the executable instead of compiling it, and can still show its
-    StableHLO (lowered again on demand)."""
-    program = PROGRAM.replace('print(json.dumps(', 'print(json.dumps({"hlo": deferfuse.stablehlo()}))\nprint(json.dumps(')
-    env = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path))
-    for run in range(2):
-        out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300)
-        assert out.returncode == 0, out.stderr
-        lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
-        assert "stablehlo.tanh" in lines[0]["hlo"]
-    assert lines[1]["disk_hits"] == 1 and lines[1]["compiles"] == 0
 
 
 def _maps() -> int:

@@ -1,21 +1,50 @@
 """Compiled executables on disk, so a second process running the same program compiles nothing.
 
-The key is a SHA-256 of the structural signature's text together with the versions of deferfuse,
-jax, jaxlib and torch, the XLA platform and XLA_FLAGS.  An entry holds the serialized executable and the
-metadata of its runtime checks.  Any entry that cannot be read is ignored (and counted); the
-computation is compiled again and the entry rewritten.  JAX's global configuration (including its
-own compilation cache) is left untouched.
+**Key.**  A SHA-256 of the structural signature's text and of everything else the executable
+depends on (``key_inputs()``): the entry format, deferfuse's version and a fingerprint of its
+sources (a changed lowering must not load an old executable), the versions of jax, jaxlib and
+torch, the XLA platform, its version, device kind and device count, the host CPU's features (an
+executable compiled for AVX-512 dies on a machine without it) and XLA_FLAGS.
+
+**Entry.**  ``<folder>/<2 hex>/<key>.xla``: a magic line, a one-line JSON header (format, key,
+payload size and SHA-256, the custom-call targets the executable calls), then the payload (the
+pickled serialized executable and the metadata of its runtime checks).  An entry is checked
+against its header before anything reads the payload, so a truncated or corrupted file never
+reaches pickle or XLA.  Written to a temporary file and renamed: readers never see half an entry.
+
+**Load.**  Deserializing skips JAX's lowering, and lowering is where JAX readies what some custom
+calls need; ``prepare_targets()`` does that instead, or refuses the entry (see its docstring).
+
+**Abuse.**  Anything wrong with an entry or the folder is counted in
+``stats()["disk_cache_errors"]``, logged once per process per kind (``ErrorKind``), and the
+computation is compiled again: never a crash.  A folder that cannot be created turns the cache
+off for the process.
+
+**Bound.**  After a write, when the folder exceeds ``cache_max_bytes``, the least recently used
+entries (by mtime: a hit touches its entry) are deleted down to 90% of it.  To keep a write
+cheap the folder is walked only at a process's first write to it and when the process's running
+total (its last walk plus its own writes since) passes the bound; what other processes wrote
+since is seen at the next walk, so the folder can run over by that much until then.
+
+JAX's global configuration (including its own compilation cache) is left untouched.
 """
 
 from __future__ import annotations
 
+import collections
+import enum
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
+import platform
+import re
 import tempfile
-from typing import Any, Optional
+import threading
+import time
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -26,35 +55,131 @@ from .._lazy import lazy_import
 jax = lazy_import("jax", globals(), "jax")
 
 log = logging.getLogger("deferfuse")
-_FORMAT = 1
+
+_FORMAT = 2
+_MAGIC = b"deferfuse-executable\n"
+_SUFFIX = ".xla"
+_LOW_WATER = 0.9              # eviction deletes down to this share of cache_max_bytes
+_STALE_TMP_SECONDS = 3600.0   # a temporary file this old was left by a process that died writing
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong with the disk cache; each kind is logged once per process."""
+    UNREADABLE = "an unreadable entry (truncated, corrupted, or not an entry at all)"
+    OTHER_FORMAT = "an entry whose header names another format or key"
+    UNLOADABLE = "an entry that needs a custom-call target this process cannot provide"
+    DESERIALIZE = "an entry that XLA refused to load"
+    SERIALIZE = "an executable that could not be serialized"
+    WRITE = "a failed write (read-only folder, full disk)"
+    FOLDER = "a cache folder that cannot be created (the disk cache is off for this process)"
+    EVICT = "a failed eviction"
+
+
+_LOCK = threading.RLock()
+_WARNED: set[ErrorKind] = set()
+_FOLDER_OFF: set[str] = set()      # folders that could not be created: the cache is off there
+_USAGE: dict[str, int] = {}        # folder -> bytes at its last walk plus this process's writes since
+_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+def counts() -> dict[str, int]:
+    """This process's disk cache counts since it started (or since ``clear()``); unlike
+    ``stats()`` they survive ``reset_stats()``.  ``hits``, ``misses``, ``errors``, ``evicted``,
+    and for every compiled executable offered to ``save()`` exactly one of ``writes`` and
+    ``not_saved``: their sum is how many executables this process compiled with the cache on."""
+    with _LOCK:
+        return {name: _COUNTS[name] for name in
+                ("hits", "misses", "writes", "not_saved", "errors", "evicted")}
+
+
+def clear() -> None:
+    """Forget this process's disk cache state: counts, warnings given, folder sizes, folders
+    turned off.  The entries on disk stay."""
+    with _LOCK:
+        _COUNTS.clear()
+        _WARNED.clear()
+        _FOLDER_OFF.clear()
+        _USAGE.clear()
+
+
+def _error(kind: ErrorKind, message: str, *args: Any) -> None:
+    with _LOCK:
+        STATS.disk_cache_errors += 1
+        _COUNTS["errors"] += 1
+        first = kind not in _WARNED
+        _WARNED.add(kind)
+    if first:
+        log.warning("deferfuse: disk cache: " + message + " (logged once per process; every such "
+                    "case is counted in stats()['disk_cache_errors'])", *args)
 
 
 def cache_dir() -> Optional[str]:
-    """The cache folder, or None when the disk cache is off (DEFERFUSE_CACHE_DIR="")."""
+    """The cache folder, or None when the disk cache is off (DEFERFUSE_CACHE_DIR="", or a
+    folder this process could not create)."""
     path = config.get("cache_dir")
     if path is None or path == "":
         return None
-    return os.path.expanduser(path)
+    path = os.path.expanduser(path)
+    return None if path in _FOLDER_OFF else path
 
+
+# --------------------------------------------------------------------------------------------
+# The key
 
 @functools.cache
 def _code_version() -> str:
     """A hash of deferfuse's own sources: a changed lowering must not load old executables."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
-    for folder, _, files in sorted(os.walk(package)):
+    for folder, dirs, files in os.walk(package):
+        dirs.sort()
         for name in sorted(files):
             if name.endswith(".py"):
                 with open(os.path.join(folder, name), "rb") as f:
-                    digest.update(name.encode() + b"\0" + f.read())
+                    digest.update(os.path.relpath(os.path.join(folder, name), package).encode()
+                                  + b"\0" + f.read())
     return digest.hexdigest()
 
 
 @functools.cache
 def _xla_flags() -> str:
     """XLA_FLAGS as XLA read them when its backend started (they change what it compiles:
-    fast math, the dot libraries); read once, as XLA does."""
+    fast math, the dot libraries, the instruction sets); read once, as XLA does."""
     return os.environ.get("XLA_FLAGS", "")
+
+
+@functools.cache
+def _cpu_features() -> str:
+    """The host CPU's instruction-set features, which XLA's CPU compiler targets: the flags
+    line of /proc/cpuinfo (x86) or its Features line (Arm); elsewhere, what ``platform`` says.
+    The CPU's model name is not enough: one model is sold, and virtualized, with different
+    features."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    features = " ".join(sorted(value.split()))
+                    return f"{platform.machine()} {hashlib.sha256(features.encode()).hexdigest()[:16]}"
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {platform.platform()}"
+
+
+def _jaxlib_version() -> str:
+    import jaxlib.version
+    return jaxlib.version.__version__
+
+
+def key_inputs() -> dict[str, str]:
+    """Everything besides the signature that the key of an executable holds."""
+    from .. import __version__
+    device = jax.devices()[0]
+    return {"format": str(_FORMAT), "deferfuse": __version__, "code": _code_version(),
+            "jax": jax.__version__, "jaxlib": _jaxlib_version(), "torch": torch.__version__,
+            "platform": f"{device.client.platform} {device.client.platform_version}",
+            "device": f"{device.device_kind} x{len(jax.devices())}",
+            "cpu": _cpu_features(), "xla_flags": _xla_flags()}
 
 
 def _key(signature: Any) -> Optional[str]:
@@ -62,51 +187,322 @@ def _key(signature: Any) -> Optional[str]:
     if " at 0x" in text:
         # something in the signature has no stable text (an object's address): memory cache only
         return None
-    from .. import __version__
-    salt = f"{_FORMAT}|{__version__}|{_code_version()}|{jax.__version__}|{jax.lib.__version__ if hasattr(jax.lib, '__version__') else ''}|{torch.__version__}|{jax.default_backend()}|{_xla_flags()}"
+    salt = json.dumps(key_inputs(), sort_keys=True)
     return hashlib.sha256((salt + "\n" + text).encode()).hexdigest()
 
 
+def _entry_path(folder: str, key: str) -> str:
+    return os.path.join(folder, key[:2], key + _SUFFIX)
+
+
+# --------------------------------------------------------------------------------------------
+# What an executable needs before it can be loaded
+
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_PYTHON_CALLBACK = re.compile(r"xla_.*python.*callback")
+
+
+def custom_call_targets(executable: Any) -> list[str]:
+    """The custom-call targets a compiled executable calls (from its optimized HLO)."""
+    return sorted(set(_TARGET.findall(executable.as_text() or "")))
+
+
+def _registered_targets() -> Optional[set[str]]:
+    """The custom-call targets registered for this process's platform, or None where jaxlib
+    cannot list them."""
+    from jax._src.lib import _jax as jaxlib_core
+    listing = getattr(jaxlib_core, "custom_call_targets", None)
+    if listing is None:
+        return None
+    return set(listing(jax.devices()[0].client.platform))
+
+
+@functools.cache
+def _lapack_targets() -> frozenset[str]:
+    """The targets whose handlers call LAPACK through the pointers initialize_lapack() fills."""
+    from jax._src.lib import lapack
+    return frozenset(name for targets in lapack.registrations().values() for name, _, _ in targets)
+
+
+def unsaveable_reason(targets: Iterable[str]) -> Optional[str]:
+    """Why an executable calling ``targets`` must not be written to disk, or None."""
+    callbacks = [t for t in targets if _PYTHON_CALLBACK.search(t)]
+    if callbacks:
+        # a host callback refers to a Python object of the process that compiled it
+        return f"it calls back into Python ({', '.join(callbacks)})"
+    return None
+
+
+def prepare_targets(targets: Iterable[str]) -> Optional[str]:
+    """Make ready what an executable's custom calls need before it is deserialized; return why
+    it cannot be loaded in this process, or None when it can.
+
+    ``targets`` are those of its custom-call targets that were registered with jaxlib when it
+    was compiled (XLA's own, such as ``__onednn$matmul``, need nothing).  Deserializing skips
+    JAX's lowering, and lowering is where JAX readies some of them: jaxlib registers its LAPACK
+    handlers (``lapack_sgeqrf_ffi``, ...) when ``jax._src.lax.linalg`` is imported, but fills
+    the LAPACK function pointers they call only in ``jaxlib.lapack._lapack.initialize()``, which
+    JAX runs while lowering a LAPACK op (``prepare_lapack_call``).  An executable loaded from
+    disk in a process that lowered no LAPACK op called null pointers: the second run of a
+    program with a QR segfaulted.  A Python host callback refers to an object of the process
+    that compiled it, and any other target must be registered here too.
+    """
+    targets = list(targets)
+    if not targets:
+        return None
+    reason = unsaveable_reason(targets)
+    if reason is not None:
+        return reason
+    try:
+        import jax._src.lax.linalg as jax_linalg   # registers jaxlib's linear algebra targets
+        if any(t in _lapack_targets() for t in targets):
+            jax_linalg.initialize_lapack()
+    except (ImportError, AttributeError) as exc:     # a jax without these: compile instead
+        return f"this jax cannot prepare its LAPACK targets ({exc})"
+    registered = _registered_targets()
+    missing = [t for t in targets if registered is not None and t not in registered]
+    if missing:
+        return f"its custom-call targets {', '.join(missing)} are not registered in this process"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Entries
+
+def _encode(key: str, payload: bytes, targets: list[str]) -> bytes:
+    header = {"format": _FORMAT, "key": key, "size": len(payload),
+              "sha256": hashlib.sha256(payload).hexdigest(), "targets": targets}
+    return _MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
+
+
+class _Unreadable(Exception):
+    pass
+
+
+class _OtherFormat(Exception):
+    pass
+
+
+def _decode(key: str, data: bytes) -> tuple[list[str], bytes]:
+    """The custom-call targets and the payload of an entry, checked against its header and the
+    header against ``key``."""
+    if not data.startswith(_MAGIC):
+        raise _Unreadable("no entry header")
+    line_end = data.find(b"\n", len(_MAGIC))
+    if line_end < 0:
+        raise _Unreadable("its header is cut off")
+    try:
+        header = json.loads(data[len(_MAGIC):line_end])
+        fmt, entry_key = header["format"], header["key"]
+        size, digest, targets = int(header["size"]), header["sha256"], list(header["targets"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _Unreadable(f"a malformed header ({exc})") from None
+    if fmt != _FORMAT or entry_key != key:
+        raise _OtherFormat(f"format {fmt!r} and key {str(entry_key)[:16]}..., "
+                           f"expected format {_FORMAT} and key {key[:16]}...")
+    payload = data[line_end + 1:]
+    if len(payload) != size:
+        raise _Unreadable(f"{len(payload)} bytes of payload where the header says {size}: truncated")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise _Unreadable("its payload does not match the header's checksum")
+    return targets, payload
+
+
 def load(signature: Any) -> Optional[tuple[Any, int, list]]:
+    """The executable saved for ``signature``, with its scalar count and runtime checks; None
+    on a miss (or a bad entry: counted, logged once, and compiled again by the caller)."""
     folder = cache_dir()
     key = _key(signature) if folder else None
     if key is None:
         return None
-    path = os.path.join(folder, key[:2], key + ".xla")
-    if not os.path.exists(path):
+    path = _entry_path(folder, key)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, NotADirectoryError):     # (no such entry, or no such folder)
+        _count("misses")
+        return None
+    except OSError as exc:
+        _error(ErrorKind.UNREADABLE, "cannot read %s (%s); compiling again", path, exc)
+        return None
+    try:
+        targets, payload = _decode(key, data)
+    except _Unreadable as exc:
+        _error(ErrorKind.UNREADABLE, "ignoring %s: %s; compiling again", path, exc)
+        return None
+    except _OtherFormat as exc:
+        _error(ErrorKind.OTHER_FORMAT, "ignoring %s: its header names %s; compiling again", path, exc)
+        return None
+    refusal = prepare_targets(targets)
+    if refusal is not None:
+        _error(ErrorKind.UNLOADABLE, "not loading %s: %s; compiling again", path, refusal)
         return None
     try:
         from jax.experimental import serialize_executable
-        with open(path, "rb") as f:
-            payload, in_tree, out_tree, n_scalars, checks = pickle.load(f)
-        if not isinstance(checks, list):
-            raise ValueError("entry of an older format")
-        executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception as exc:  # noqa: BLE001 - a bad entry is rebuilt, never fatal
-        STATS.disk_cache_errors += 1
-        log.warning("deferfuse: ignoring unreadable cache entry %s (%s: %s); it will be rebuilt",
-                    path, type(exc).__name__, exc)
+        serialized, in_tree, out_tree, n_scalars, checks = pickle.loads(payload)
+        executable = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+    except Exception as exc:  # noqa: BLE001 - a bad entry is compiled again, never fatal
+        _error(ErrorKind.DESERIALIZE, "could not load %s (%s: %s); compiling again",
+               path, type(exc).__name__, exc)
         return None
+    _touch(path)
     STATS.disk_cache_hits += 1
+    _count("hits")
     return executable, n_scalars, checks
 
 
 def save(signature: Any, executable: Any, n_scalars: int, checks: list) -> None:
+    """Write ``executable`` (just compiled for ``signature``) to the cache folder."""
     folder = cache_dir()
     key = _key(signature) if folder else None
     if key is None:
+        _count("not_saved")
         return
     try:
+        targets = custom_call_targets(executable)
+        refusal = unsaveable_reason(targets)
+        if refusal is not None:
+            log.debug("deferfuse: disk cache: not saving an executable: %s", refusal)
+            _count("not_saved")
+            return
+        registered = _registered_targets()
+        # only the targets jaxlib provides need preparing at load; the others are XLA's own
+        needed = [t for t in targets if registered is None or t in registered]
         from jax.experimental import serialize_executable
-        payload, in_tree, out_tree = serialize_executable.serialize(executable)
-        data = pickle.dumps((payload, in_tree, out_tree, n_scalars, checks))
-        target_dir = os.path.join(folder, key[:2])
-        os.makedirs(target_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target_dir, suffix=".tmp")
+        serialized, in_tree, out_tree = serialize_executable.serialize(executable)
+        data = _encode(key, pickle.dumps((serialized, in_tree, out_tree, n_scalars, checks)), needed)
+    except Exception as exc:  # noqa: BLE001 - the executable in memory still works
+        _count("not_saved")
+        _error(ErrorKind.SERIALIZE, "could not serialize an executable (%s: %s); this process goes "
+               "on without saving it", type(exc).__name__, exc)
+        return
+    if not _ensure_folder(folder):
+        _count("not_saved")
+        return
+    path = _entry_path(folder, key)
+    try:
+        _write_atomically(path, data)
+    except OSError as exc:
+        _count("not_saved")
+        _error(ErrorKind.WRITE, "could not write %s (%s); this process goes on without it",
+               path, exc)
+        return
+    STATS.disk_cache_writes += 1
+    _count("writes")
+    _after_write(folder, len(data))
+
+
+def _count(name: str) -> None:
+    with _LOCK:
+        _COUNTS[name] += 1
+
+
+def _touch(path: str) -> None:
+    """Mark an entry as used now, for least-recently-used eviction.  Nanosecond times from the
+    clock, not the kernel's file timestamps (coarser: entries written in one tick would tie)."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass   # a read-only folder: its entries still load, eviction order is only a hint
+
+
+def _ensure_folder(folder: str) -> bool:
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        if not os.path.isdir(folder):
+            with _LOCK:
+                _FOLDER_OFF.add(folder)
+            _error(ErrorKind.FOLDER, "cannot create the cache folder %s (%s); the disk cache is off "
+                   "for this process", folder, exc)
+            return False
+    return True
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the whole entry or none: another
+    process writing the same key at once writes its own temporary file, and the last rename
+    wins with an entry as good as the other."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, os.path.join(target_dir, key + ".xla"))
-        STATS.disk_cache_writes += 1
-    except Exception as exc:  # noqa: BLE001 - the memory cache still works
-        log.warning("deferfuse: could not write the compilation cache in %s (%s: %s)",
-                    folder, type(exc).__name__, exc)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _touch(path)
+
+
+# --------------------------------------------------------------------------------------------
+# The bound
+
+def _after_write(folder: str, size: int) -> None:
+    limit = config.get("cache_max_bytes")
+    if limit <= 0:
+        return
+    with _LOCK:
+        known = _USAGE.get(folder)
+        if known is not None and known + size <= limit:
+            _USAGE[folder] = known + size
+            return
+        _USAGE[folder] = _evict(folder, limit)
+
+
+def _evict(folder: str, limit: int) -> int:
+    """Walk ``folder``; when its entries pass ``limit`` bytes, delete the least recently used
+    down to _LOW_WATER of it.  Returns the bytes left.  Temporary files of writers that died
+    are deleted on the way."""
+    entries = []
+    total = 0
+    now = time.time()
+    try:
+        subfolders = [e.path for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
+        for sub in subfolders:
+            for e in os.scandir(sub):
+                if not e.name.endswith((".tmp", _SUFFIX)):
+                    continue       # not ours
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue       # renamed or evicted by another process meanwhile
+                if e.name.endswith(_SUFFIX):
+                    entries.append((st.st_mtime_ns, e.path, st.st_size))
+                    total += st.st_size
+                elif now - st.st_mtime > _STALE_TMP_SECONDS:
+                    _unlink(e.path)
+                else:
+                    total += st.st_size
+    except OSError as exc:
+        _error(ErrorKind.EVICT, "could not walk %s to bound its size (%s)", folder, exc)
+        return total
+    if total <= limit:
+        return total
+    entries.sort()
+    target = int(limit * _LOW_WATER)
+    for _, path, size in entries:
+        if total <= target:
+            break
+        if _unlink(path):
+            _count("evicted")
+            total -= size
+        elif not os.path.exists(path):
+            total -= size     # another process evicted it first
+    return total
+
+
+def _unlink(path: str) -> bool:
+    """Delete ``path``; whether this call deleted it."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        _error(ErrorKind.EVICT, "could not delete %s (%s)", path, exc)
+        return False
