@@ -3,6 +3,7 @@ against strict PyTorch."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -298,3 +299,33 @@ def test_lu_householder_ormqr_empty():
                 torch.ormqr(d, tau0, d), torch.ormqr(a, tau2, a[:, :, :2])]
     lowered(fn, e(0, 3, 5, dtype=f64), e(3, 0, dtype=f64), e(2, 0, 0, dtype=f64), e(0, 0, dtype=f64),
             e(0, dtype=f64), e(0, 3, dtype=f64))
+
+
+_BATCHED_FACTORIZATIONS = """
+import torch, deferfuse
+n = 128
+b = torch.randn(3, n, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+p = b @ b.mT + 0.1 * torch.eye(n, dtype=torch.float64)
+p[0, 1, 1] -= 1e4
+p[2, n - 1, n - 1] -= 1e4
+p[1, 0, 0] = float("nan")
+for _ in range(6):
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        out = [torch.linalg.cholesky_ex(p), torch.linalg.cholesky_ex(p, upper=True),
+               torch.linalg.cholesky_ex(p.float())]
+        out = [[t.clone() for t in group] for group in out]
+print("done")
+"""
+
+
+def test_batched_factorizations_in_one_computation_never_hang():
+    """jaxlib's batched LAPACK kernels split their batch over XLA's thread pool; with torch's
+    OpenMP threads started, a computation holding several of them hung now and then (a test
+    worker was lost to it).  They run one matrix at a time (linalg._per_matrix)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "DEFERFUSE_CACHE_DIR"}
+    env["DEFERFUSE_CACHE_DIR"] = ""
+    done = subprocess.run([sys.executable, "-c", _BATCHED_FACTORIZATIONS], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]

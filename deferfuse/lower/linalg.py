@@ -32,6 +32,25 @@ from .._lazy import lazy_import
 
 jnp = lazy_import("jax.numpy", globals(), "jnp")
 lax = lazy_import("jax.lax", globals(), "lax")
+jax_tree = lazy_import("jax.tree_util", globals(), "jax_tree")
+
+
+def _per_matrix(fn, *arrays, cores: tuple = (2,)):
+    """``fn`` (a jaxlib LAPACK call) over the matrices of a batch one at a time (``lax.map``),
+    instead of as one batched call.  jaxlib's batched LAPACK kernels split their batch over
+    XLA's intra-op thread pool (``ParallelBatchMap``) and wait for the pieces; in a process
+    where torch's OpenMP threads have run, a computation with several such calls next to other
+    work sometimes never got its pieces back: the flush hung (three ``cholesky_ex`` of a batch
+    of 3, about one run in three on a 2-core VM; a worker of the test suite was lost to it).
+    Mapped, each call factors one matrix, which runs on the calling thread.  ``cores``: how
+    many trailing dims of each array make one problem."""
+    cores = cores + (cores[-1],) * (len(arrays) - len(cores))
+    batch = arrays[0].shape[:arrays[0].ndim - cores[0]]
+    if int(np.prod(batch, dtype=np.int64)) <= 1:
+        return fn(*arrays)
+    flat = tuple(a.reshape((-1,) + a.shape[a.ndim - c:]) for a, c in zip(arrays, cores))
+    out = lax.map(lambda xs: fn(*xs), flat)
+    return jax_tree.tree_map(lambda o: o.reshape(batch + o.shape[1:]), out)
 
 aten = torch.ops.aten
 
@@ -271,7 +290,7 @@ def _broadcast_batch(a, b):
 
 def _lu(a):
     """(LU, 1-based int32 pivots, int32 info) as LAPACK's getrf returns them."""
-    lu, pivots, _ = lax.linalg.lu(a)
+    lu, pivots, _ = _per_matrix(lax.linalg.lu, a)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     zero = diag == 0
     info = jnp.where(jnp.any(zero, axis=-1), jnp.argmax(zero, axis=-1) + 1, 0).astype(jnp.int32)
@@ -346,9 +365,9 @@ def solve_ex(ctx, a, b, *, left=True, check_errors=False):
 @_linalg_rule
 def qr(ctx, a, mode="reduced"):
     if mode == "r":
-        r = jnp.linalg.qr(a, mode="r")
+        r = _per_matrix(lambda m: jnp.linalg.qr(m, mode="r"), a)
         return jnp.zeros(ctx.out[0].shape, a.dtype), r
-    return tuple(jnp.linalg.qr(a, mode=mode))
+    return tuple(_per_matrix(lambda m: tuple(jnp.linalg.qr(m, mode=mode)), a))
 
 
 def _check_svdvals(ctx: LoweringContext) -> Optional[str]:
@@ -363,9 +382,9 @@ def _check_svdvals(ctx: LoweringContext) -> Optional[str]:
 @_linalg_rule
 def svd(ctx, a, full_matrices=False, compute_uv=True, *, driver=None):
     if not compute_uv:
-        s = jnp.linalg.svd(a, compute_uv=False)
+        s = _per_matrix(lambda m: jnp.linalg.svd(m, compute_uv=False), a)
         return jnp.zeros(ctx.out[0].shape, a.dtype), s, jnp.zeros(ctx.out[2].shape, a.dtype)
-    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
+    u, s, vh = _per_matrix(lambda m: tuple(jnp.linalg.svd(m, full_matrices=full_matrices)), a)
     return u, s, vh
 
 
@@ -380,7 +399,7 @@ def _check_eigvalsh(ctx: LoweringContext) -> Optional[str]:
 @lowering(aten._linalg_eigh.default, check=_check_eigvalsh)
 @_linalg_rule
 def eigh(ctx, a, UPLO="L", compute_v=True):
-    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    w, v = _per_matrix(lambda m: tuple(jnp.linalg.eigh(m, UPLO=UPLO, symmetrize_input=False)), a)
     if not compute_v:
         return w, jnp.zeros(ctx.out[1].shape, a.dtype)
     return w, v
@@ -417,11 +436,11 @@ def pinv(ctx, a, *, atol=None, rtol=None, hermitian=False):
         # torch: an explicit atol > 0 without rtol means rtol = 0
         rtol = default if ctx.kwargs.get("atol") is None else jnp.where(atol > 0, jnp.zeros((), f64), default)
     if hermitian:
-        s, u = jnp.linalg.eigh(a, UPLO="L", symmetrize_input=False)
+        s, u = _per_matrix(lambda m: tuple(jnp.linalg.eigh(m, UPLO="L", symmetrize_input=False)), a)
         s_abs = jnp.abs(s)
         top = jnp.max(s_abs, axis=-1, keepdims=True)
     else:
-        u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+        u, s, vh = _per_matrix(lambda m: tuple(jnp.linalg.svd(m, full_matrices=False)), a)
         s_abs = s
         top = s[..., :1]
     tol = jnp.maximum(atol[..., None], rtol[..., None] * top)
@@ -468,7 +487,7 @@ def _cholesky(a, upper: bool):
     """torch's cholesky_ex: (L or U, int32 info).  ``upper`` reads only A's upper triangle."""
     if upper:
         a = jnp.swapaxes(a, -1, -2)
-    fast = lax.linalg.cholesky(a, symmetrize_input=False)
+    fast = _per_matrix(lambda m: lax.linalg.cholesky(m, symmetrize_input=False), a)
 
     def good(_):
         return jnp.tril(fast), jnp.zeros(a.shape[:-2], jnp.int32)
@@ -672,7 +691,7 @@ def _check_householder(ctx: LoweringContext) -> Optional[str]:
 @_linalg_rule
 def householder_product(ctx, a, tau):
     # (no reflectors: _linalg_rule asks torch for the identity columns)
-    return lax.linalg.householder_product(a, tau)
+    return _per_matrix(lax.linalg.householder_product, a, tau, cores=(2, 1))
 
 
 def _check_ormqr(ctx: LoweringContext) -> Optional[str]:
@@ -743,7 +762,7 @@ def geqrf_shape(a):
 @_linalg_rule
 def geqrf(ctx, a):
     # (empty inputs: _linalg_rule answers with empty outputs)
-    h, tau = jnp.linalg.qr(a, mode="raw")      # lax.linalg's geqrf, its result transposed
+    h, tau = _per_matrix(lambda m: tuple(jnp.linalg.qr(m, mode="raw")), a)   # lax.linalg's geqrf, transposed
     return jnp.swapaxes(h, -1, -2), tau
 
 
