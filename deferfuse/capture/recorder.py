@@ -13,7 +13,19 @@ storages it touched, what is pending) and does the work.  Each op is classified 
 Ops with no lowering use a torch._decomp decomposition when one exists, and otherwise run
 eagerly after flushing their inputs (counted in stats().fallbacks).  So do ops whose metadata
 meta tensors cannot give (no meta kernel, a meta kernel that rejects what the CPU kernel runs,
-a data-dependent output shape) and ops with a sparse argument, which has no storage to model.
+a data-dependent output shape).
+
+Two kinds of memory need more than the storage model:
+
+  opaque     a tensor that is not dense and strided (sparse, nested, quantized, mkldnn) or a
+             subclass with its own __torch_dispatch__ has no storage to model: an op with one
+             among its arguments or results runs at once on torch's kernel (``_opaque``), after
+             everything pending is flushed (its memory may be any storage's: a sparse tensor's
+             values, a subclass's inner tensors)
+  foreign    memory torch does not own (``from_numpy``, ``frombuffer``, DLPack imports, shared
+             memory) may be written by code we never see, between two ops: each recorded read
+             of it copies what it reads then, and is never cached (``_foreign``).  Writes into
+             it are pending values of the graph, as for any storage, and land at the flush.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from ..debugging.source import forget_frames, user_line, user_line_from, user_so
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..ir.meta import TensorMeta
-from ..lower.registry import RuntimeScalar
+from ..lower.registry import RuntimeScalar, get_lowering
 from ..stats import STATS
 from . import meta as meta_
 from .classify import OpKind, factory_options, functional_variant, op_info
@@ -280,11 +292,15 @@ class Recorder:
             meta_.unmark_lone(ran[1], ran[2])
 
     def state_of_real(self, t: torch.Tensor) -> StorageState:
-        if t.layout is not torch.strided:
+        if _opaque(t):
             raise _NoStorage(t.layout)
         storage = _untyped_storage(t)
         ptr = storage.data_ptr()
         state = _STATES_BY_PTR.get(ptr) if ptr else None
+        if state is not None and _raw_data_ptr(state.buffer) != ptr:
+            # its storage's memory moved (share_memory_ swaps it) and this address is another's
+            del _STATES_BY_PTR[ptr]
+            state = None
         if state is None or state.dtype != t.dtype or state.numel * t.element_size() != storage.nbytes():
             if state is not None:
                 # The same memory seen as another dtype (complex's decomposition writes through
@@ -295,7 +311,8 @@ class Recorder:
                 state.changed()
                 self._forget_plain()
             numel = storage.nbytes() // t.element_size()
-            state = StorageState(numel, t.dtype, t.device, buffer=_flat_buffer(t, ptr, numel))
+            state = StorageState(numel, t.dtype, t.device, buffer=_flat_buffer(t, ptr, numel),
+                                 foreign=_foreign(storage))
             if ptr:
                 _STATES_BY_PTR[ptr] = state
         self.real_states.add(state)
@@ -304,6 +321,11 @@ class Recorder:
     def flat(self, state: StorageState) -> Value:
         contents = state.contents
         if contents is None:
+            if state.foreign:
+                # (a copy of what the memory holds now: the rest of a storage partly written,
+                # or what an expanded view reads)
+                with no_dispatch():
+                    return graph.leaf(state.buffer.clone())
             if state.leaf is None:
                 state.leaf = graph.leaf(state.buffer)
                 state.old_leaves.append(weakref.ref(state.leaf))
@@ -335,7 +357,9 @@ class Recorder:
         if state.epoch != self.epoch:
             self._enter_epoch(state)
         value = state.reads.get(m)
-        if value is None:
+        if value is None and state.foreign and state.contents is None:
+            value = self._foreign_read(state, m)
+        elif value is None:
             flat = self.flat(state)
             if m.dtype != state.dtype:
                 # a real view of complex memory (view_as_real): the memory as the real dtype
@@ -348,6 +372,22 @@ class Recorder:
             bits = (t.is_conj(), t.is_neg())
             value = self._node(graph.BITS, (value, *bits), {}, (m,), (graph.BITS, *bits), inputs=(value,))[0]
         return value, m
+
+    def _foreign_read(self, state: StorageState, m: TensorMeta) -> Value:
+        """What ``m`` reads of foreign memory, copied now (code we do not see may write it before
+        the flush) and not cached: the next op copies it again.  The copy is of what ``m`` reads,
+        not of the whole storage (a batch sliced out of a dataset's array)."""
+        if m.dtype == state.dtype and m.numel <= state.numel:
+            with no_dispatch():
+                copy = state.buffer.as_strided(m.shape, m.stride, m.offset).clone(
+                    memory_format=torch.contiguous_format)
+            return graph.leaf(copy)
+        # (an expanded view, or a real view of complex memory: the whole storage, read as usual)
+        flat = self.flat(state)
+        if m.dtype != state.dtype:
+            real = TensorMeta((2 * state.numel,), (1,), 0, m.dtype, state.device, 2 * state.numel)
+            flat = self._node(graph.AS_REAL, (flat,), {}, (real,), (graph.AS_REAL,), inputs=(flat,))[0]
+        return self._node(graph.READ_VIEW, (flat, m), {}, (m,), (graph.READ_VIEW, m), inputs=(flat,))[0]
 
     def _resolved(self, t: torch.Tensor) -> torch.Tensor:
         (real,) = self.realize((t,), FlushReason.FALLBACK)
@@ -559,6 +599,13 @@ class Recorder:
         if facts is None:
             facts = _facts(func)
         info, special, _ = facts
+        if (info.composite_implicit or special is not None or info.kind in _ACTS_BEFORE_CONVERTING) \
+                and _opaque_in(args, kwargs):
+            # (other kinds find an opaque argument when they convert it, before doing anything)
+            result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.SPARSE)
+            if self.pending_nodes > self.max_pending:
+                self.flush_all(FlushReason.NODE_LIMIT)
+            return result
         if info.composite_implicit:
             # Reaches us only from inside a decomposition (autograd handles it above us
             # otherwise).  Its own decomposition says what it really is: reshape is a view or
@@ -585,7 +632,8 @@ class Recorder:
             else:
                 result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.NO_META)
         except _NoStorage:
-            # a sparse (or other non-strided) argument: the storage model has nothing to say
+            # an opaque argument (of a view, or found by the fast path) or result (a sparse
+            # gradient from dense inputs): the storage model has nothing to say
             result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.SPARSE)
         if self.pending_nodes > self.max_pending:
             self.flush_all(FlushReason.NODE_LIMIT)
@@ -619,7 +667,20 @@ class Recorder:
         key = (facts[2], key)
         if at_once_if_unseen and meta_.first_sighting(key, user_line()):
             return None
-        entry = meta_.infer(func, key, margs, mkw)
+        try:
+            entry = meta_.infer(func, key, margs, mkw)
+        except NotImplementedError as error:
+            # a result with no storage from dense arguments (embedding's sparse gradient):
+            # what torch says when our metadata asks for its storage
+            if _NO_STORAGE_MESSAGE in str(error):
+                raise _NoStorage(func) from error
+            raise
+        if entry.lowering is None and (any(m.dtype in _QUANTIZED_DTYPES for m in entry.tensor_outs)
+                                       or any(a in _QUANTIZED_DTYPES for a in itertools.chain(args, kwargs.values())
+                                              if isinstance(a, torch.dtype))):
+            # a quantized result (quantize_per_tensor's meta kernel gives a float one: the
+            # quantized dtype it is asked for says it)
+            raise _NoStorage(func)
         return vargs, vkw, entry, key, inputs, scalars
 
     def record(self, func, info, args, kwargs) -> Any:
@@ -670,7 +731,7 @@ class Recorder:
         """``t.item()`` of a plain CPU tensor with no pending contents, read at once: what the
         general path (run_observing) does for it, without the way there.  NotImplemented
         otherwise."""
-        if t.layout is not torch.strided or t.device.type != "cpu":
+        if t.device.type != "cpu" or _opaque(t):
             return NotImplemented
         state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
         if state is not None and state.contents is not None:
@@ -689,8 +750,7 @@ class Recorder:
             return NotImplemented
         states = []
         for t in _tensors_in(args, kwargs):
-            if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device.type != "cpu" \
-                    or t.numel() > 1:
+            if type(t) is not torch.Tensor or t.device.type != "cpu" or _opaque(t) or t.numel() > 1:
                 return NotImplemented
             state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
             if state is not None:
@@ -732,6 +792,7 @@ class Recorder:
             result = decomposition(*args, **kwargs)
         if result is not NotImplemented:
             STATS.decompositions[str(func)] += 1
+            result = _undefined_where_masked(func, args, kwargs, result)
         return result
 
     def record_view(self, func, info, args, kwargs) -> Any:
@@ -998,6 +1059,14 @@ class Recorder:
             placeholders = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
                             if isinstance(a, torch.Tensor) else a for a in args]
             return func(*placeholders, **kwargs)
+        if not info.written and get_lowering(func) is not None:
+            # The tag is the schema's, for every backend: a lowering of a random-tagged op takes
+            # only calls that draw no random numbers (the CPU flash attention kernel draws none,
+            # and its checker declines dropout), so a call it takes is recorded as a pure op.
+            vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
+            if entry.lowering is not None:
+                outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
+                return _restructure(info, self._fresh_outputs(entry, outputs))
         return self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.RANDOM)
 
     # -- eager execution -----------------------------------------------------------------------
@@ -1010,16 +1079,21 @@ class Recorder:
         if written:
             # pending ops that read what this op overwrites must see the old data
             self.flush_all(flush_reason or FlushReason.FALLBACK)
-        real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK,
-                                              exposes=info.kind not in _FRESH_RESULT_KINDS)
+        # (an opaque result may hold its arguments' memory: sparse_coo_tensor keeps its values)
+        exposes = info.kind not in _FRESH_RESULT_KINDS or fallback_reason is FallbackReason.SPARSE
+        real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK, exposes)
         out = func(*real_args, **real_kwargs)
         if written:
             self._forget_plain()   # (an out= tensor may have been resized)
         for t in written:
             if isinstance(t, DeferredTensor):
                 t._storage.changed()
-            elif t.layout is torch.strided:
+            elif not _opaque(t):
                 self.state_of_real(t).changed()
+            else:
+                # which memory it wrote we cannot tell (a sparse tensor's values, a subclass's
+                # inner tensors): what was read from any memory may be stale
+                _forget_all_reads()
         if written:
             real_written = _written_arguments(func, info, real_args, real_kwargs)
             return _map_returned(out, real_written, written)
@@ -1034,7 +1108,11 @@ class Recorder:
         for t in tensors:
             if isinstance(t, DeferredTensor):
                 states.append(t._storage)
-            elif t.layout is torch.strided:
+            elif _opaque(t):
+                # its memory may be any storage's (a sparse tensor's values, a subclass's
+                # inner tensors), written by pending ops
+                self.flush_all(reason)
+            else:
                 state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())
                 if state is not None:
                     states.append(state)
@@ -1247,6 +1325,11 @@ def _write_back(buffer: torch.Tensor, flat: torch.Tensor) -> None:
         buffer.copy_(flat)
 
 
+# Kinds of ops that act on their tensor arguments before converting them (a random op draws
+# from the generator; an in-place view op runs on a plain target at once; a size rule runs ops
+# of its own): an opaque argument must be found first.
+_ACTS_BEFORE_CONVERTING = frozenset({OpKind.RANDOM, OpKind.INPLACE_VIEW, OpKind.DYNAMIC})
+
 # Kinds of ops whose results never alias their arguments' memory: running one on a deferred
 # tensor's data does not hand that memory out (see StorageState.owned).
 _FRESH_RESULT_KINDS = frozenset({OpKind.PURE, OpKind.OBSERVING, OpKind.DYNAMIC})
@@ -1277,6 +1360,29 @@ def _adopt(s: StorageState, flat: torch.Tensor) -> None:
     if ptr:
         _STATES_BY_PTR[ptr] = s
     s.old_leaves = []
+
+
+def _forget_all_reads() -> None:
+    """Memory we cannot name was written: every storage with no pending contents reads its
+    memory afresh (pending contents are the graph's, which the write did not touch)."""
+    for s in list(_STATES_BY_PTR.values()):
+        if s.contents is None:
+            s.changed()
+
+
+def _undefined_where_masked(op, args: tuple, kwargs: dict, result: Any) -> Any:
+    """``result`` with None for each output whose ``output_mask`` entry is False, as torch's
+    kernels return it: some decompositions (native_batch_norm_backward's grad_input) compute
+    every output whatever the mask says."""
+    if not isinstance(result, tuple):
+        return result
+    names = [a.name for a in op._schema.arguments]
+    if "output_mask" not in names:
+        return result
+    mask = kwargs["output_mask"] if "output_mask" in kwargs else args[names.index("output_mask")]
+    if len(mask) != len(result):
+        return result
+    return tuple(r if wanted else None for r, wanted in zip(result, mask))
 
 
 def _snapshot_old_leaves(s: StorageState) -> None:
@@ -1484,8 +1590,59 @@ def _type_name(dtype: torch.dtype) -> str:
     return torch.empty((), dtype=dtype, device="meta").type().split(".")[-1].replace("Tensor", "")
 
 
+_NO_STORAGE_MESSAGE = "Cannot access storage of"   # (c10's TensorImpl::throw_cannot_access_storage)
+_QUANTIZED_DTYPES = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
 class _NoStorage(Exception):
-    """A tensor argument has no strided storage (sparse, mkldnn): its op runs eagerly."""
+    """A tensor argument or result has no storage to model (``_opaque``): its op runs eagerly."""
+
+
+# Per tensor subclass, whether it has a __torch_dispatch__ of its own (TwoTensor, the jagged
+# NestedTensor, a user's wrapper): its ops must reach it.  nn.Parameter and other subclasses
+# that only override Python methods are plain tensors to us.
+_OWN_DISPATCH: dict[type, bool] = {}
+
+
+def _opaque(t: torch.Tensor) -> bool:
+    """Whether the storage model cannot stand for ``t``'s memory: not dense and strided (sparse,
+    mkldnn, nested, quantized: its values are not its storage's elements in its dtype) or a
+    subclass that dispatches its ops itself.  DeferredTensors are never opaque."""
+    cls = type(t)
+    if cls is not torch.Tensor and cls is not DeferredTensor:
+        own = _OWN_DISPATCH.get(cls)
+        if own is None:
+            own = _OWN_DISPATCH[cls] = not issubclass(cls, DeferredTensor) and \
+                getattr(cls, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl
+        if own:
+            return True
+    return t.layout is not torch.strided or t.is_nested or t.is_quantized
+
+
+def _opaque_in(args: tuple, kwargs: dict) -> bool:
+    """Whether an opaque tensor is among the arguments (a loop over them rather than
+    ``_tensors_in``, which builds a list: foreach ops pass hundreds)."""
+    for group in (args, kwargs.values()):
+        for a in group:
+            if type(a) is DeferredTensor:
+                continue
+            if isinstance(a, torch.Tensor):
+                if _opaque(a):
+                    return True
+            elif isinstance(a, (list, tuple)):
+                if _opaque_in(a, {}):
+                    return True
+    return False
+
+
+def _foreign(storage: torch.UntypedStorage) -> bool:
+    """Whether a storage's memory is not torch's own, so that code we do not see may write it:
+    memory torch allocated itself is resizable, memory it was handed is not (``from_numpy``,
+    ``frombuffer``, DLPack imports, files mapped by ``torch.load(mmap=True)`` or
+    ``UntypedStorage.from_file``, and also the storages of ``torch.load`` without mmap); memory
+    shared with other processes (``share_memory_``, DataLoader workers' batches) is resizable
+    but theirs to write too.  ~0.1 us, asked once per storage state."""
+    return not storage.resizable() or storage.is_shared()
 
 
 # -- helpers over argument trees ---------------------------------------------------------------
@@ -1574,7 +1731,7 @@ def _recorder_on_stack() -> Optional[Recorder]:
 
 
 def _write_back_before_read(t: Any, reason: FlushReason) -> None:
-    if not isinstance(t, torch.Tensor) or isinstance(t, DeferredTensor) or t.layout is not torch.strided:
+    if not isinstance(t, torch.Tensor) or isinstance(t, DeferredTensor) or _opaque(t):
         return
     recorder = _recorder_on_stack()
     if recorder is None:
@@ -1830,7 +1987,7 @@ def _all_computed(tensors: list) -> bool:
         if type(t) is DeferredTensor:
             if t._storage.contents is not None:
                 return False
-        elif t.layout is not torch.strided:
+        elif _opaque(t):
             return False
         else:
             state = _STATES_BY_PTR.get(_untyped_storage(t).data_ptr())

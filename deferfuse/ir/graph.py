@@ -163,14 +163,17 @@ class StorageState:
       ("root", value, meta)      the tensor ``meta`` covering the whole storage holds ``value``
       ("flat", value)            ``value`` is the flat contents in memory order
     ``version`` changes whenever the contents or their representation change; a tensor's
-    cached value is valid only for the version it was computed at.
+    cached value is valid only for the version it was computed at.  ``foreign``: ``buffer`` is
+    memory torch does not own (NumPy's, a DLPack producer's, shared with other processes), which
+    code we never see may write at any time: while it holds the contents, each recorded read
+    takes a copy of it then, and nothing read from it is cached.
     """
 
     __slots__ = ("buffer", "contents", "version", "numel", "dtype", "device", "reads", "leaf",
-                 "old_leaves", "epoch", "owned", "__weakref__")
+                 "old_leaves", "epoch", "owned", "foreign", "__weakref__")
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
-                 buffer: Optional[torch.Tensor] = None, contents: Any = None) -> None:
+                 buffer: Optional[torch.Tensor] = None, contents: Any = None, foreign: bool = False) -> None:
         self.numel = numel
         self.dtype = dtype
         self.device = device
@@ -190,6 +193,7 @@ class StorageState:
         # (no view, pointer or array of it was handed out): a flush may replace it with the
         # memory of the new contents instead of copying them into it
         self.owned = False
+        self.foreign = foreign
 
     def changed(self) -> None:
         """The contents or their representation changed: cached reads are stale."""
