@@ -2,12 +2,16 @@
 
 It is a wrapper subclass, so every path that touches data goes through us: aten ops reach
 ``__torch_dispatch__`` and Python-level data access (``tolist``, ``numpy``, ``repr``, ``data_ptr``,
-pickling) is overridden here to materialize first.  Once its context has ended, it behaves as an
-ordinary tensor: ops on it run eagerly on its data.
+pickling) is overridden here to materialize first.  The Python protocols torch answers in Python
+(``format``, ``round``, ``deepcopy``, ``dir`` ...) run torch's own method on the computed data, so
+that they answer as for a plain tensor (tests/test_protocols.py).  Once its context has ended, it
+behaves as an ordinary tensor: ops on it run eagerly on its data.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from typing import Any, Optional
 
 import torch
@@ -35,6 +39,16 @@ def _contiguous_strides(shape: tuple) -> tuple:
         _CONTIGUOUS.clear()
     _CONTIGUOUS[shape] = contiguous
     return contiguous
+
+
+class _Withheld:
+    """A class attribute that reads as absent (``hasattr`` is False), hiding an inherited one."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: Optional[type] = None) -> Any:
+        raise AttributeError(self.name)
 
 
 class DeferredTensor(torch.Tensor):
@@ -103,19 +117,38 @@ class DeferredTensor(torch.Tensor):
         with no_dispatch():
             return use(self._materialize(reason, exposes))
 
+    def _as_strict(self, reason: FlushReason, use, exposes: bool = True,
+                   requires_grad: Optional[bool] = None):
+        """Materialize, then run ``use(plain)`` on what strict PyTorch holds where we hold this
+        tensor: a plain tensor over its memory, with its ``requires_grad`` (unless given) and its
+        Python attributes, an ``nn.Parameter`` for a deferred parameter.  torch's own Python-level
+        methods then answer as they answer in strict; on us they would take the path of an
+        unknown subclass (``Tensor.__format__`` does not format its value, errors name
+        DeferredTensor) and read a wrapper that has no memory of its own."""
+        wants_grad = self.requires_grad if requires_grad is None else requires_grad
+
+        def on_plain(data: torch.Tensor):
+            plain = data.detach()
+            if wants_grad:
+                plain.requires_grad_()
+            state = {k: v for k, v in self.__dict__.items() if k not in _OWN_ATTRIBUTES}
+            if getattr(self, "_is_param", False):
+                plain = torch.nn.Parameter(plain, wants_grad)
+            plain.__dict__.update(state)
+            return use(plain)
+        return self._observe(reason, on_plain, exposes)
+
     # -- observation points ------------------------------------------------------------------
     def tolist(self):
         return self._observe(FlushReason.TOLIST, lambda d: d.tolist(), exposes=False)
 
     def numpy(self, *, force: bool = False):
-        if self.requires_grad and not force:
-            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
-                               "Use tensor.detach().numpy() instead.")
-        return self._observe(FlushReason.NUMPY, lambda d: d.detach().numpy(force=force))
+        return self._as_strict(FlushReason.NUMPY, lambda t: t.numpy(force=force))
 
-    def __array__(self, dtype=None, copy=None):
-        arr = self._observe(FlushReason.NUMPY, lambda d: d.detach().numpy())
-        return arr if dtype is None else arr.astype(dtype, copy=False)
+    def __array__(self, *args, **kwargs):
+        # (torch's signature, whatever it is: numpy asks it for copy= and, refused, copies or
+        # raises itself, as it does for a plain tensor)
+        return self._as_strict(FlushReason.NUMPY, lambda t: t.__array__(*args, **kwargs))
 
     def data_ptr(self) -> int:
         return self._observe(FlushReason.DATA_PTR, lambda d: d.data_ptr())
@@ -125,31 +158,71 @@ class DeferredTensor(torch.Tensor):
 
     def __dlpack__(self, *args, **kwargs):
         # (torch's would export the wrapper, which has no memory: readers saw garbage)
-        return self._observe(FlushReason.DATA_PTR, lambda d: d.__dlpack__(*args, **kwargs))
+        return self._as_strict(FlushReason.DATA_PTR, lambda t: t.__dlpack__(*args, **kwargs))
 
     def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:
-        text = self._observe(FlushReason.REPR, repr, exposes=False)
-        if self.grad_fn is not None:
-            text = text[:-1] + f", grad_fn=<{type(self.grad_fn).__name__}>)"
-        elif self.requires_grad:
-            text = text[:-1] + ", requires_grad=True)"
-        if getattr(self, "_is_param", False):
-            # nn.Parameter(deferred) is the deferred tensor marked as a parameter (torch's way
-            # with tensor subclasses): it prints as a Parameter does
-            text = "Parameter containing:\n" + text
-        return text
+        keywords = {} if tensor_contents is None else {"tensor_contents": tensor_contents}
+        grad_fn = self.grad_fn
+        if grad_fn is None:
+            return self._as_strict(FlushReason.REPR, lambda t: t.__repr__(**keywords), exposes=False)
+        text = self._as_strict(FlushReason.REPR, lambda t: t.__repr__(**keywords), exposes=False,
+                               requires_grad=False)
+        # strict's last suffix, placed (or wrapped onto a new line) as torch places it
+        return torch._tensor_str._add_suffixes(text[:-1], [f"grad_fn=<{_grad_fn_name(grad_fn)}>"],
+                                               len("tensor("), False)
 
-    def _plain_copy(self) -> torch.Tensor:
-        data = self._observe(FlushReason.SERIALIZE, lambda d: d.detach().clone(), exposes=False)
-        return data.requires_grad_(self.requires_grad)
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() != 0 and not format_spec:
+            return str(self)    # (object.__format__, torch's answer for these; it reads our repr)
+        return self._as_strict(FlushReason.REPR, lambda t: t.__format__(format_spec), exposes=False)
+
+    def __round__(self, *ndigits):
+        # torch.Tensor has no __round__: round() raises, naming Tensor (not DeferredTensor)
+        return self._as_strict(FlushReason.ITEM, lambda t: round(t, *ndigits), exposes=False)
+
+    def __trunc__(self):
+        # likewise math.trunc (math.floor and math.ceil go through __float__)
+        return self._as_strict(FlushReason.ITEM, math.trunc, exposes=False)
 
     def __reduce_ex__(self, protocol):
-        return self._plain_copy().__reduce_ex__(protocol)
+        # (exposes: the reduction holds this memory; copy.copy shares it, as strict's does)
+        return self._as_strict(FlushReason.SERIALIZE, lambda t: t.__reduce_ex__(protocol))
 
     def __deepcopy__(self, memo):
-        data = self._plain_copy()
-        memo[id(self)] = data
-        return data
+        if id(self) in memo:
+            return memo[id(self)]      # (torch calls a gradient's __deepcopy__ directly)
+        if not self.is_leaf:
+            return torch.Tensor.__deepcopy__(self, memo)    # raises torch's error, reading nothing
+        grad = self.grad
+
+        def deepcopy(plain: torch.Tensor) -> torch.Tensor:
+            if grad is not None:
+                plain.grad = grad          # (torch copies a leaf's gradient along with it)
+            return copy.deepcopy(plain, memo)
+        result = self._as_strict(FlushReason.SERIALIZE, deepcopy, exposes=False)
+        memo[id(self)] = result
+        return result
+
+    def __dir__(self):
+        return [name for name in torch.Tensor.__dir__(self) if name not in _OWN_NAMES]
+
+    # C consumers of DLPack (tvm-ffi, ...) would read this wrapper's memory through torch's C
+    # exchange table; without it they fall back to __dlpack__, which computes the data first
+    # (the second name: the one tvm-ffi's add-on puts on torch.Tensor for older torch)
+    __dlpack_c_exchange_api__ = _Withheld()
+    __c_dlpack_exchange_api__ = _Withheld()
+
+
+# Python attributes deferfuse keeps on an instance; _is_param is the type of the strict twin
+_OWN_ATTRIBUTES = frozenset({"_is_param", "_lazy_bits"})
+# names dir() lists for a DeferredTensor but not for a plain tensor
+_OWN_NAMES = (frozenset(dir(DeferredTensor)) - frozenset(dir(torch.Tensor))) | _OWN_ATTRIBUTES
+
+
+def _grad_fn_name(grad_fn) -> str:
+    """The name strict's repr gives a tensor's grad_fn (as torch/_tensor_str.py names it)."""
+    name = type(grad_fn).__name__
+    return grad_fn.name().rsplit("::", 1)[-1] if name == "CppFunction" else name
 
 
 def is_materialized(t: torch.Tensor) -> bool:
