@@ -8,7 +8,8 @@ The stack is per thread, like torch's dispatch-mode stack.  Entering defer pushe
 onto torch's dispatch stack and entering debug pushes a DebugMode; the innermost block wins.
 Entering strict or debug inside defer flushes and takes the DeferMode off until the inner block
 ends (strict also steps out of debug); defer inside debug records on top of the DebugMode.
-Leaving a defer block flushes everything still alive in it.
+Leaving a defer block flushes everything still alive in it.  A forked child starts in strict
+mode, outside every block of its parent (``reset_after_fork``, deferfuse/processes.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import threading
 from typing import Iterator, Optional, Union
 
-from . import config
+from . import config, processes
 from .errors import FlushReason, ModeError
 from .exec import blocks
 from .stats import STATS
@@ -131,6 +132,20 @@ class _GcFreeze:
                     gc.set_threshold(*before)
                 self.thresholds = None
 
+    def after_fork(self) -> None:
+        """In a forked child, where no block of the parent's will end: none is open, the
+        threshold is the process's again, and what the parent froze stays frozen (Python's advice
+        for forked children: their pages stay shared with the parent's).  The lock is new:
+        another thread of the parent may have held it."""
+        self.lock = threading.RLock()
+        self.depth = 0
+        self.froze = False
+        if self.thresholds is not None:
+            before, ours = self.thresholds
+            if gc.get_threshold() == ours:
+                gc.set_threshold(*before)
+            self.thresholds = None
+
 
 _GC_FREEZE = _GcFreeze()
 
@@ -171,6 +186,7 @@ def _discard_defer(handle) -> None:
 
 def _push(kind: EagerMode) -> object:
     """Put a new DeferMode or DebugMode on top of torch's dispatch stack."""
+    processes.install()
     if kind is EagerMode.DEFER:
         handle = _start_defer()
     else:
@@ -242,7 +258,9 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
     suspended: list[tuple[EagerMode, object]] = []
     block = None
     if target is EagerMode.DEFER:
-        if not live and config.get("eager_blocks") and not config.get("always_compile"):
+        if processes.forked_after_xla():
+            processes.note_defer_at_once()
+        elif not live and config.get("eager_blocks") and not config.get("always_compile"):
             block = blocks.choice_at(_with_statement_frame())
             started = blocks.clock()
             if block.runs_at_once:
@@ -258,13 +276,17 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
             pushed = _push(EagerMode.DEBUG)
     else:
         suspended = _suspend((EagerMode.DEFER, EagerMode.DEBUG))
-    _stack.entries.append((target, pushed, suspended))
+    entry = (target, pushed, suspended)
+    _stack.entries.append(entry)
     ok = False
     try:
         yield target
         ok = True
     finally:
-        _stack.entries.pop()
+        if _stack.entries.pop() is not entry:
+            # a forked child leaving a block its parent entered: reset_after_fork took its
+            # modes off already (the parent owns them and their pending work)
+            pushed, suspended, block = None, [], None
         try:
             if pushed is not None:
                 _pop(pushed, ok=ok)
@@ -312,8 +334,54 @@ def set_mode(m: ModeLike) -> None:
         _stack.default = EagerMode.STRICT
         _pop(handle, ok=True)
     _stack.default = target
-    if target is not EagerMode.STRICT:
+    if target is EagerMode.DEFER and processes.forked_after_xla():
+        processes.note_defer_at_once()
+    elif target is not EagerMode.STRICT:
         _stack.default_handle = _push(target)
+
+
+def reset_after_fork() -> None:
+    """In a forked child, on the thread that forked (the only one left): take deferfuse's modes
+    off torch's dispatch stack without flushing (they and their pending work are the parent's),
+    so that the child runs in strict mode.  The ``with`` blocks it is inside of end as strict
+    blocks; its default mode is strict."""
+    stack = _stack
+    handles = [handle for _, handle in stack.live]
+    handles += [handle for _, _, suspended in stack.entries for _, handle in suspended]
+    if stack.default_handle is not None and stack.default_handle not in handles:
+        handles.append(stack.default_handle)
+    _off_dispatch_stack([handle for _, handle in stack.live])
+    for handle in handles:
+        recorder = getattr(handle, "recorder", None)
+        if recorder is not None:
+            # (ops on tensors it left pending then run as outside any block, on their data)
+            recorder.active = False
+    stack.live = []
+    stack.entries = [(EagerMode.STRICT, None, []) for _ in stack.entries]
+    stack.default = EagerMode.STRICT
+    stack.default_handle = None
+    _GC_FREEZE.after_fork()
+
+
+def _off_dispatch_stack(handles: list) -> None:
+    """Take ``handles`` off this thread's dispatch stack, leaving other modes in their order.
+    torch's bookkeeping only (TorchDispatchMode.__exit__): DeferMode.__exit__ would release
+    patches under a lock another thread of the parent may have held at the fork, and left
+    installed they call through to torch's methods once no DeferMode is on the stack."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
+    ours = {id(h) for h in handles}
+    others = []
+    while ours:
+        top = _get_current_dispatch_mode()
+        if top is None:
+            break
+        if id(top) in ours:
+            TorchDispatchMode.__exit__(top, None, None, None)
+            ours.discard(id(top))
+        else:
+            others.append(_pop_mode())
+    for other in reversed(others):
+        _push_mode(other)
 
 
 def active_recorder():
