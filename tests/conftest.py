@@ -39,3 +39,23 @@ settings.register_profile(
 # (every failure it finds becomes a pinned test in test_regressions.py).
 settings.register_profile("deep", settings.get_profile("default"), max_examples=1100, derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# The settings users run with, made deterministic (tests/user_defaults.py): the eager shortcuts
+# this file turns off above are on for the tests that take this fixture.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["deferred", "measuring"], ids=lambda way: f"blocks-{way}")
+def user_defaults(request, monkeypatch):
+    """Every setting at its default, deterministically (user_defaults.UserDefaults); parametrized
+    over the two ways the block tier runs a new place (``indirect`` parametrization picks one)."""
+    from user_defaults import UserDefaults, forget_what_was_learned
+    from deferfuse import config
+    from deferfuse.exec import blocks
+    tiers = UserDefaults(request.param)
+    monkeypatch.setattr(blocks, "clock", tiers.clock)
+    forget_what_was_learned()
+    with config.override(**tiers.settings):
+        yield tiers
+    forget_what_was_learned()

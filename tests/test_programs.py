@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import Phase, currently_in_test_context, event, given, settings
+from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
@@ -40,6 +40,7 @@ from deferfuse.capture import meta
 from deferfuse.exec import runtime
 from program_gen import FAMILIES, OPS, programs
 from program_model import InputSpec, Lit, Program, Step, compiled, observe_value
+from user_defaults import forget_what_was_learned
 
 # --------------------------------------------------------------------------- interpreter
 
@@ -149,11 +150,12 @@ TIERED = dict(always_compile=False, eager_unseen_ops=True, eager_lone_ops=True,
 
 
 def execute(program: Program, defer: bool = False, noise: int = 0, tiered: bool = False,
-            flush_subnormals: bool = False) -> Outcome:
+            flush_subnormals: bool = False, tiers: Any = None) -> Outcome:
     """Run `program` on fresh inputs: under strict PyTorch, under strict with `UlpNoise` in
     direction `noise` (+1 or -1), under strict with the CPU flushing subnormal floats to zero
     (``flush_subnormals``), or under defer mode (``tiered``: with the default tiers, see
-    ``TIERED``, instead of compiling every flush)."""
+    ``TIERED``, or with ``tiers``, the user_defaults fixture's settings, instead of compiling
+    every flush)."""
     built = [spec.build() for spec in program.inputs]
     observed: list = []
 
@@ -164,8 +166,8 @@ def execute(program: Program, defer: bool = False, noise: int = 0, tiered: bool 
     namespace.update({f"v{i}": tensor for i, (tensor, _) in enumerate(built)})
     if defer:
         # every program is new, so the on-disk executable cache would only cost writes
-        settings = TIERED if tiered else dict(always_compile=True)
-        with deferfuse.config.override(cache_dir="", **settings):
+        settings = (tiers.settings if tiers else TIERED) if tiered else dict(always_compile=True)
+        with deferfuse.config.override(**{"cache_dir": "", **settings}):
             with deferfuse.defer():
                 error = _run_steps(program.steps, namespace)
     elif noise:
@@ -296,23 +298,26 @@ def _differences(program: Program, expected: Outcome, actual: Outcome, nudged: l
     return problems
 
 
-def check_program(program: Program, tiered_runs: int = 0) -> None:
+def check_program(program: Program, tiered_runs: int = 0, tiers: Any = None) -> None:
     """Run `program` under strict and under defer and require the same observable outcome
-    (``tiered_runs``: run it that many times under the default tiers instead, each compared)."""
+    (``tiered_runs``: run it that many times under the default tiers instead, each compared;
+    ``tiers``: under the user_defaults fixture's settings, a fresh start for each program)."""
     expected = execute(program)
     if currently_in_test_context():
         event(f"strict raised {expected.error[1].__name__}" if expected.error else "strict ran to the end")
     nudged = [execute(program, noise=direction) for direction in (1, -1)]
-    for run in range(tiered_runs):
+    if tiers:
+        forget_what_was_learned()   # (each program from its first sighting, shrunk ones too)
+    for run in (tiers.calls(tiered_runs) if tiers else range(1, tiered_runs + 1)):
         try:
-            actual = execute(program, defer=True, tiered=True)
+            actual = execute(program, defer=True, tiered=True, tiers=tiers)
         except Exception as exc:
             if _raised_at_the_flush(expected, exc):
                 return
             raise
         problems = _differences(program, expected, actual, nudged)
         if problems:
-            raise AssertionError(f"defer differs from strict in tiered run {run + 1}:\n"
+            raise AssertionError(f"defer differs from strict in tiered run {run}:\n"
                                  + "\n".join(problems) + f"\n\nrepro:\n{program.repro()}")
     if tiered_runs:
         return
@@ -371,6 +376,18 @@ def test_mixed_programs_through_the_tiers(program: Program) -> None:
     check_program(program, tiered_runs=3)
 
 
+# (fewer programs: each runs four times, and the fixture's settings are a superset of TIERED's)
+@pytest.mark.parametrize("user_defaults", ["deferred"], indirect=True)
+@settings(max_examples=max(25, settings.default.max_examples // 4),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=programs("mixed"))
+def test_mixed_programs_with_the_default_settings(user_defaults, program: Program) -> None:
+    """The same program four times with every setting at its default, as a user's loop runs it
+    (tests/user_defaults.py): its ops at once at their first sighting, its graph replayed, replayed
+    while the background thread compiles it, then compiled."""
+    check_program(program, tiered_runs=4, tiers=user_defaults)
+
+
 def test_programs_really_run_through_xla() -> None:
     """Guard the suite against comparing strict with strict: a program's defer run records its
     ops and executes them as a compiled XLA computation."""
@@ -400,6 +417,26 @@ def test_tiered_runs_go_through_every_tier() -> None:
         runs.append({k: v for k, v in stats.items() if v})
     # (the first run's mul_ is recorded, in place ops never run at once, and replays eagerly)
     assert seen == [(True, True, False), (False, True, False), (False, False, True)], (seen, runs)
+
+
+@pytest.mark.parametrize("user_defaults", ["deferred"], indirect=True)
+def test_default_settings_runs_go_through_every_tier(user_defaults) -> None:
+    """Guard test_mixed_programs_with_the_default_settings likewise: ops at once, then an eager
+    replay, then a replay while the background thread compiles, then a compiled run."""
+    program = Program(inputs=(InputSpec((3, 5), torch.float32, "permuted", "uniform", 11),),
+                      steps=(Step("sin", (0,), out=1), Step("mul_", (0, 1))))
+    expected = execute(program)
+    seen = []
+    for _ in user_defaults.calls(4):
+        if seen:
+            seen[-1] += (deferfuse.stats()["background_compiles"] > 0,)
+        deferfuse.reset_stats()
+        assert compare(expected, execute(program, defer=True, tiered=True, tiers=user_defaults)) == []
+        stats = deferfuse.stats()
+        seen.append((stats["unseen_ops_run"] > 0, stats["eager_replays"] > 0, stats["executions"] > 0))
+    seen[-1] += (deferfuse.stats()["background_compiles"] > 0,)
+    assert seen == [(True, True, False, False), (False, True, False, False), (False, True, False, True),
+                    (False, False, True, False)], seen
 
 
 def test_a_value_error_raised_at_the_flush_is_what_strict_raised() -> None:

@@ -30,27 +30,37 @@ def batches(n: int, rows: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(mode: str, make_opt, steps: int = STEPS, *, accumulate: int = 1, clip: float | None = None,
-          scheduler=None, set_to_none: bool = True, model: torch.nn.Module | None = None):
-    """(losses, model, optimizer) after ``steps`` steps of a small classifier under ``mode``."""
+          scheduler=None, set_to_none: bool = True, model: torch.nn.Module | None = None, tiers=None):
+    """(losses, model, optimizer) after ``steps`` steps of a small classifier under ``mode``
+    (``tiers``: the user_defaults fixture, each step one call of the same defer block)."""
     model = model or make_model()
     opt = make_opt(model.parameters())
     sched = scheduler(opt) if scheduler else None
     data = batches(steps * accumulate)
     losses = []
+
+    def train_step(step: int) -> None:
+        opt.zero_grad(set_to_none=set_to_none)
+        for micro in range(accumulate):
+            x, y = data[step * accumulate + micro]
+            loss = torch.nn.functional.cross_entropy(model(x), y) / accumulate
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched:
+            sched.step()
+        losses.append(loss.item())
+
+    if tiers is not None:
+        for call in tiers.calls(steps):
+            with deferfuse.defer():
+                train_step(call - 1)
+        return losses, model, opt
     context = deferfuse.defer() if mode == "defer" else deferfuse.strict()
     with context:
         for step in range(steps):
-            opt.zero_grad(set_to_none=set_to_none)
-            for micro in range(accumulate):
-                x, y = data[step * accumulate + micro]
-                loss = torch.nn.functional.cross_entropy(model(x), y) / accumulate
-                loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            if sched:
-                sched.step()
-            losses.append(loss.item())
+            train_step(step)
     return losses, model, opt
 
 
@@ -108,6 +118,22 @@ def test_accumulation_clipping_and_schedule(set_to_none):
     with deferfuse.config.override(always_compile=True):
         defer = run("defer")
     assert_same_training(strict, defer)
+
+
+@pytest.mark.parametrize("name", ["adam-wd-amsgrad", "adamw-foreach", "adamw-fused", "sgd-momentum-foreach"])
+def test_optimizer_matches_strict_with_the_default_settings(name, user_defaults):
+    """Every setting at its default, one defer block per step (tests/user_defaults.py)."""
+    strict = train("strict", OPTIMIZERS[name])
+    defer = train("defer", OPTIMIZERS[name], tiers=user_defaults)
+    assert_same_training(strict, defer)
+
+
+@pytest.mark.parametrize("user_defaults", ["measuring"], indirect=True)
+def test_accumulation_clipping_and_schedule_with_the_default_settings(user_defaults):
+    def run(mode, tiers=None):
+        return train(mode, OPTIMIZERS["adamw-foreach"], accumulate=3, clip=0.05, tiers=tiers,
+                     scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS))
+    assert_same_training(run("strict"), run("defer", user_defaults))
 
 
 def test_convergence_over_30_steps():

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import config
+from .. import config, processes
 from ..errors import LoweringError
 from ..ir import graph
 from ..ir.graph import Node, Value
@@ -359,6 +359,7 @@ _SEEN: dict[Any, int] = {}            # signature -> eager runs so far, while no
 _COMPILING: set[Any] = set()          # signatures queued for background compilation
 _QUEUE: "queue.Queue[tuple]" = queue.Queue()
 _WORKER: Optional[threading.Thread] = None
+_COMPILED_ONE = threading.Condition()   # notified whenever the worker finishes a signature
 
 
 def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int) -> _Compiled:
@@ -374,19 +375,32 @@ def _background_worker() -> None:
         item = _QUEUE.get()
         if item is None:
             return
-        sig, program, avals, n_scalars = item
+        sig, program, avals, n_scalars, settings = item
         try:
-            _compile_and_store(sig, program, avals, n_scalars)
+            with config.override(**settings):
+                _compile_and_store(sig, program, avals, n_scalars)
             STATS.background_compiles += 1
         except Exception as exc:  # noqa: BLE001 - the eager path keeps working
             log.warning("deferfuse: background compilation failed; this graph keeps running eagerly: %s", exc)
         finally:
-            _COMPILING.discard(sig)
+            with _COMPILED_ONE:
+                _COMPILING.discard(sig)
+                _COMPILED_ONE.notify_all()
 
 
 def compiles_pending() -> bool:
     """Whether the background thread has signatures queued or compiling."""
     return bool(_COMPILING)
+
+
+def wait_for_compiles(timeout: Optional[float] = None) -> bool:
+    """Wait until the background thread has compiled (or failed to compile) every signature
+    queued so far, so that the next run of each runs compiled: a test then knows at which call
+    a graph first runs compiled, whatever this machine's load.  False if ``timeout`` seconds
+    passed first."""
+    with _COMPILED_ONE:
+        return _COMPILED_ONE.wait_for(
+            lambda: not _COMPILING or _WORKER is None or not _WORKER.is_alive(), timeout)
 
 
 def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
@@ -398,8 +412,11 @@ def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
         _WORKER = threading.Thread(target=_background_worker, name="deferfuse-compile", daemon=True)
         _WORKER.start()
         atexit.register(_stop_worker)
-    # The program is built here: the graph it reads is released once this flush is done.
-    _QUEUE.put((sig, make_program(), avals, n_scalars))
+    # The program is built here: the graph it reads is released once this flush is done.  The
+    # settings go with it: config.override holds for one thread, and the compile, the executable
+    # cache and the disk cache must follow the block's (its cache_dir, say), not the process's.
+    settings = {name: config.get(name) for name in config.settings()}
+    _QUEUE.put((sig, make_program(), avals, n_scalars, settings))
 
 
 def _stop_worker() -> None:
@@ -415,6 +432,17 @@ def _stop_worker() -> None:
         pass
     _QUEUE.put(None)
     worker.join()
+
+
+def after_fork_in_child() -> None:
+    """In a forked child: the compile thread did not survive the fork, and it may have held
+    the queue's lock; queued compiles are forgotten (deferfuse/processes.py).  The executables
+    stay: dropping them would run XLA's destructors here."""
+    global _QUEUE, _WORKER, _COMPILED_ONE
+    _QUEUE = queue.Queue()
+    _WORKER = None
+    _COMPILED_ONE = threading.Condition()
+    _COMPILING.clear()
 
 
 def _avals(leaves: list[Value]) -> tuple:
@@ -623,7 +651,10 @@ def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -
                 out = node.op(*args, **kwargs)
             except Exception as exc:
                 raise _naming_source(exc, node.source) from None
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        # a node's Values are its op's tensor outputs only (MetaEntry.tensor_outs): an output
+        # torch leaves undefined (None: convolution_backward's grad_input with output_mask
+        # False) or that is not a tensor has none, and zipping past it would shift the rest
+        outs = [t for t in out if isinstance(t, torch.Tensor)] if isinstance(out, (tuple, list)) else (out,)
         for v, t in zip(node.outputs, outs):
             if v is not None:
                 computed[id(v)] = t
@@ -658,7 +689,8 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
             record.ran(group, "torch")
             if group.reason is SplitReason.LONE_OP:
                 _learn_lone(group.nodes)
-        elif should_replay_eagerly(group.nodes):
+        elif should_replay_eagerly(group.nodes) or processes.forked_after_xla():
+            # (a child forked after JAX started: its XLA may deadlock; deferfuse/processes.py)
             results = execute_eager(group.nodes, group.outputs)
             record.ran(group, "eager replay")
         else:
