@@ -15,6 +15,10 @@ when the rule handles this call, or a short reason string when it does not; the 
 decomposition or to an eager fallback.  Checkers are cached per (op, input metadata).  A checker
 may also raise torch's own exception for a call that torch's meta kernel accepts but its CPU
 kernel rejects (it then runs at record time, on the user's line, with strict's error type).
+
+An op tagged ``nondeterministic_seeded`` (random) is recorded through its lowering only for calls
+the checker accepts, so its checker must decline every call that would draw random numbers (the
+tag is the schema's, for every backend: the CPU flash attention kernel draws none).
 """
 
 from __future__ import annotations
