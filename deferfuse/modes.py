@@ -126,11 +126,15 @@ class _GcFreeze:
             if self.froze:
                 gc.unfreeze()
                 self.froze = False
-            if self.thresholds is not None:
-                before, ours = self.thresholds
-                if gc.get_threshold() == ours:
-                    gc.set_threshold(*before)
-                self.thresholds = None
+            self._restore_threshold()
+
+    def _restore_threshold(self) -> None:
+        """The process's young-collection threshold again, unless something changed ours."""
+        if self.thresholds is not None:
+            before, ours = self.thresholds
+            if gc.get_threshold() == ours:
+                gc.set_threshold(*before)
+            self.thresholds = None
 
     def after_fork(self) -> None:
         """In a forked child, where no block of the parent's will end: none is open, the
@@ -140,11 +144,7 @@ class _GcFreeze:
         self.lock = threading.RLock()
         self.depth = 0
         self.froze = False
-        if self.thresholds is not None:
-            before, ours = self.thresholds
-            if gc.get_threshold() == ours:
-                gc.set_threshold(*before)
-            self.thresholds = None
+        self._restore_threshold()
 
 
 _GC_FREEZE = _GcFreeze()
