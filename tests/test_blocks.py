@@ -190,16 +190,20 @@ def test_a_raising_block_is_not_timed_and_its_error_is_the_users(tier):
     assert choice.phase is Phase.MEASURE_DEFERRED and not choice.deferred and not choice.unsteady
 
 
-def test_runs_that_keep_compiling_stay_deferred(tier, monkeypatch):
-    monkeypatch.setattr(blocks, "MAX_UNSTEADY", 6)
-    clock = tier(1.0, 0.25)
-    for n in range(blocks.MAX_UNSTEADY + 1):
+@pytest.mark.parametrize("deferred, at_once, chosen", [(1.0, 0.25, Phase.AT_ONCE), (0.25, 1.0, Phase.DEFERRED)])
+def test_runs_that_keep_compiling_are_timed_as_they_run(tier, deferred, at_once, chosen):
+    """A block that meets new shapes at every run (generate() with a growing KV cache) is timed
+    from its fourth unsteady run on, and chooses on those times (it was never timed before, and
+    stayed deferred however slow)."""
+    clock = tier(deferred, at_once)
+    for n in range(blocks.UNSTEADY_UNTIMED + 2 * blocks.SAMPLES):
         x = torch.randn(n + 2, 3)
         y = _block(x, clock)      # a new shape every run: each runs a new graph
         torch.testing.assert_close(y, _strict(x))
     choice = _only_place()
-    assert choice.phase is Phase.DEFERRED and not choice.deferred
-    assert "its deferred runs kept compiling" in choice.describe()
+    assert choice.phase is chosen
+    assert len(choice.deferred) == len(choice.at_once) == blocks.SAMPLES
+    assert "compiled or met new graphs" in choice.describe()
 
 
 def _at_once_block(tier):

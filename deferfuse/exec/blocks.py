@@ -8,8 +8,9 @@ there, because recording is paid before the flush sees the graph.  So the choice
 level up, per place in the code where a block starts (the ``with`` line):
 
 1. its runs alternate, deferred and at once, until each way has five timed runs; a deferred run
-   is timed only if it ran *steady* (no compile, no cache miss, no disk-cache load, no engine
-   choice made: the steady state the program will stay in), and the first timed run is deferred;
+   is timed if it ran *steady* (no compile, no cache miss, no disk-cache load, no engine
+   choice made: the steady state the program will stay in), or once the place has had three
+   unsteady runs (below); the first timed run is deferred;
 2. a run at once runs under no deferfuse mode at all, which is strict (plain tensors out,
    torch's kernels, nothing recorded);
 3. the way with the faster median wins, ties to deferred, if one way was faster in at least
@@ -25,9 +26,16 @@ level up, per place in the code where a block starts (the ``with`` line):
 The choice is checked again after 64 runs, then after twice as many each time it holds (up to
 4096).  A run that takes over twice, or under half, the chosen way's median (and 0.2 ms more or
 less: tiny blocks jitter by 2x) twice in a row means the block changed (a helper called with
-other shapes, say): the place measures again.  A place whose deferred runs never settle (64 of
-them compiled or met a new graph, not counting runs while a background compile is pending: new
-shapes every time, say) stays deferred until its recheck.
+other shapes, say): the place measures again.
+
+A place whose deferred runs do not settle is timed as it runs from its fourth unsteady run on:
+what it costs unsettled is what its user pays.  ``generate()`` with a KV cache is the case in
+point: the cache grows by a token at every decoding step, so each step's graph has new shapes
+and every call compiles (on the background thread, which takes a core from everything else) or
+replays graphs it has not run compiled; timed only when steady, such a place was never timed and
+ran deferred for good, 4 to 40 times slower than strict.  A training step whose first compile
+outlasts three runs is timed on its eager replays meanwhile, chooses at once if those are slower
+than strict, and is measured again, compiled, at its recheck.
 A block running at once is strict mode itself, so results are exactly strict's; both ways are
 observationally equivalent, as every defer run is.  ``deferfuse.explain()`` lists each place's
 choice and its times; ``stats()["blocks_run_at_once"]`` counts the runs.
@@ -41,7 +49,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import sys
 import time
 from typing import Any, Optional
 
@@ -54,7 +61,7 @@ CLEAR = 0.75            # ... if one way was faster in this share of the pairs o
 MAX_SAMPLES = 15        # ... both go on, up to this many runs each, and the medians decide
 FIRST_RECHECK = 64      # runs after a choice before it is measured again
 LAST_RECHECK = 4096     # the longest wait, reached by doubling while a choice holds
-MAX_UNSTEADY = 64       # deferred runs that never settle: stay deferred until the recheck
+UNSTEADY_UNTIMED = 3    # unsteady deferred runs not timed (first sightings, compiles); later ones are
 DRIFT = 2.0             # a run this many times off the chosen way's median is an outlier ...
 DRIFT_FLOOR = 2e-4      # ... and this many seconds off it (a 0.1 ms block jitters by 2x)
 _MAX_PLACES = 4096      # the table is emptied past this many places
@@ -91,11 +98,6 @@ def _share_faster(a: list[float], b: list[float]) -> float:
     return wins / (len(a) * len(b))
 
 
-def _compiles_pending() -> bool:
-    runtime = sys.modules.get("deferfuse.exec.runtime")   # (not imported: nothing compiled yet)
-    return runtime is not None and runtime.compiles_pending()
-
-
 class BlockChoice:
     """What one place in the code chose, and the times it chose from."""
 
@@ -127,13 +129,11 @@ class BlockChoice:
         whether a deferred run compiled nothing (runs at once are always steady)."""
         phase = self.phase
         if phase is Phase.MEASURE_DEFERRED:
-            if steady:
+            if not steady:
+                self.unsteady += 1
+            if steady or self.unsteady > UNSTEADY_UNTIMED:
                 self.deferred.append(seconds)
                 self._measured()
-            elif not _compiles_pending():   # (a background compile settles by itself)
-                self.unsteady += 1
-                if self.unsteady > MAX_UNSTEADY:
-                    self._choose(Phase.DEFERRED)
         elif phase is Phase.MEASURE_AT_ONCE:
             self.at_once.append(seconds)
             self._measured()
@@ -175,7 +175,7 @@ class BlockChoice:
     def _watch_for_drift(self, seconds: float) -> None:
         median = self.median
         if median is None:
-            return   # (deferred because its runs never settled: the recheck measures again)
+            return
         if (seconds > DRIFT * median or seconds * DRIFT < median) \
                 and abs(seconds - median) > DRIFT_FLOOR:
             self.outliers += 1
@@ -188,11 +188,10 @@ class BlockChoice:
     def describe(self) -> str:
         def ms(samples: list[float]) -> str:
             return f"{_median(samples) * 1e3:.3g} ms" if samples else "-"
-        if self.phase is Phase.DEFERRED and len(self.deferred) < SAMPLES:
-            why = f"its deferred runs kept compiling ({self.unsteady} unsteady runs)"
-        else:
-            why = (f"deferred {ms(self.deferred)}, at once {ms(self.at_once)} "
-                   f"(medians of {len(self.deferred)} and {len(self.at_once)} runs)")
+        why = (f"deferred {ms(self.deferred)}, at once {ms(self.at_once)} "
+               f"(medians of {len(self.deferred)} and {len(self.at_once)} runs)")
+        if self.unsteady > UNSTEADY_UNTIMED:
+            why += f"; {self.unsteady} deferred runs compiled or met new graphs"
         if self.phase in (Phase.DEFERRED, Phase.AT_ONCE):
             return f"{self.phase.value}: {why}; checked again in {self.recheck - self.runs} runs"
         return f"{self.phase.value}: {why}"
