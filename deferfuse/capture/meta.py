@@ -177,6 +177,14 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
                 if rule is None:
                     raise
                 result = rule(*meta_args, **meta_kwargs)
+            except Exception:
+                # A meta kernel written for another device rejects what the CPU kernel runs
+                # (_grouped_mm's wants bfloat16): our shape rule, where we have one, decides
+                # (and raises, as the kernel does, for calls it rejects)
+                rule = get_shape_rule(op)
+                if rule is None:
+                    raise
+                result = rule(*meta_args, **meta_kwargs)
     except NotImplementedError as meta_error:
         # No meta kernel and no shape rule (or a data-dependent op, nonzero): only the real
         # kernel can say, and it raises the user's errors itself when it runs.
@@ -363,13 +371,37 @@ def _eval_batch_norm(outs: tuple, args: tuple, kwargs: dict) -> tuple:
     return _no_saved_stats_in_eval(outs, args[:5] + (False,), {})
 
 
+def _no_weights_unless_needed(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """Native multi-head attention without ``need_weights``: the CPU kernel returns None for
+    the weights; the meta kernel an empty tensor."""
+    need_weights = args[10] if len(args) > 10 else kwargs.get("need_weights", True)
+    return outs if need_weights else (outs[0], None)
+
+
+def _from_shape_rule(op: torch._ops.OpOverload):
+    """The metadata our shape rule gives: for a meta kernel written for another device, which
+    runs for some calls (the rest reach the rule when it raises) but lays out its output as
+    that device's kernel does."""
+    def correct(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+        result = get_shape_rule(op)(*_to_meta(args), **{k: _to_meta(v) for k, v in kwargs.items()})
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        device = next(o.device for o in outs if o is not None)
+        return tuple(_meta_of_output(r, device) for r in results)
+    return correct
+
+
 # Meta kernels that run but disagree with the CPU kernel on output metadata, keyed by op, with
 # the function that gives the CPU kernel's.  torch says nothing about these in schemas or tags,
-# so they are listed; each was found by the OpInfo sweep (docs/conformance.md).
+# so they are listed; each was found by the OpInfo sweep (docs/conformance.md) or the model zoo
+# (nn.MultiheadAttention's fast path).
 _CPU_CORRECTIONS = {
     torch.ops.aten.native_batch_norm.default: _no_saved_stats_in_eval,
     torch.ops.aten._native_batch_norm_legit_no_training.default: _eval_batch_norm,
     torch.ops.aten._native_batch_norm_legit.default: _no_saved_stats_in_eval,
+    torch.ops.aten._native_multi_head_attention.default: _no_weights_unless_needed,
+    # (CUDA's: bfloat16 only, a contiguous output; the CPU kernel pads its output's rows to 16
+    # bytes, and runs float32 and float16 too: lower/grouped_mm.py)
+    torch.ops.aten._grouped_mm.default: _from_shape_rule(torch.ops.aten._grouped_mm.default),
 }
 
 

@@ -1,3 +1,4 @@
 """Imports every op-family module so that its lowerings register."""
 
-from . import attention, creation, fft, histogram, linalg, movement, nn, nn_backward, pointwise, prims, reduction, special  # noqa: F401
+from . import (attention, creation, fastpath, fft, grouped_mm, histogram, linalg, movement, nn,  # noqa: F401
+               nn_backward, pointwise, prims, reduction, special)
