@@ -24,6 +24,7 @@ import threading
 from typing import Iterator, Optional, Union
 
 from . import config, processes
+from .capture import modules
 from .errors import FlushReason, ModeError
 from .exec import blocks
 from .stats import STATS
@@ -187,6 +188,7 @@ def _discard_defer(handle) -> None:
 def _push(kind: EagerMode) -> object:
     """Put a new DeferMode or DebugMode on top of torch's dispatch stack."""
     processes.install()
+    modules.install()
     if kind is EagerMode.DEFER:
         handle = _start_defer()
     else:

@@ -1,0 +1,109 @@
+"""Programs people run with no code change: models built under defer mode, Hugging Face's Trainer.
+
+A module built under defer mode (a ``with deferfuse.defer():`` block around its construction,
+or ``TORCHTPU_MODE=defer``) has real ``nn.Parameter``s (deferfuse/capture/modules.py), which take
+``.data`` assignment, ``.to()``, ``.half()`` and ``load_state_dict``; and Hugging Face's
+``Trainer`` runs a whole training script under ``TORCHTPU_MODE=defer`` with strict's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+import deferfuse
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_parameters_made_under_defer_are_real_parameters():
+    """``nn.Parameter(torch.ones(n))`` under defer gives an nn.Parameter over real memory, which
+    takes .data assignment, .to(), .half() and load_state_dict as strict's does."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    expected = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    with deferfuse.defer():
+        model = transformers.LlamaForCausalLM(config)
+        params = dict(model.named_parameters())
+        assert all(type(p) is torch.nn.Parameter for p in params.values())
+        model.to("cpu")
+        model.half()
+        model.float()
+        norm = model.model.norm
+        norm.weight.data = norm.weight.data * 2
+    for name, p in expected.named_parameters():
+        want = p.half().float() * (2 if name == "model.norm.weight" else 1)
+        torch.testing.assert_close(model.get_parameter(name), want, rtol=0, atol=0, msg=name)
+    with deferfuse.defer():
+        model.load_state_dict(expected.state_dict())
+    for name, p in expected.named_parameters():
+        assert torch.equal(model.get_parameter(name), p), name
+
+
+def test_parameter_of_a_deferred_value_keeps_requires_grad_and_trains():
+    with deferfuse.defer():
+        layer = torch.nn.Module()
+        layer.scale = torch.nn.Parameter(torch.full((3,), 2.0))
+        layer.frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        assert type(layer.scale) is torch.nn.Parameter and layer.scale.requires_grad
+        assert not layer.frozen.requires_grad
+        (layer.scale * layer.frozen).sum().backward()
+    assert torch.equal(layer.scale.grad, torch.ones(3))
+
+
+# -- Hugging Face Trainer with no code change -------------------------------------------------------
+
+TRAINER_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, transformers as T
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = T.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(0, 128, (16,), generator=g)} for _ in range(8)]
+    for row in rows:
+        row["labels"] = row["input_ids"].clone()
+    losses = []
+
+    class Losses(T.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    args = T.TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, num_train_epochs=2,
+                               logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                               disable_tqdm=True)
+    T.Trainer(model=model, args=args, train_dataset=rows, callbacks=[Losses()]).train()
+    print("LOSSES", json.dumps(losses))
+""")
+
+
+def _trainer_losses(tmp_path, mode: str) -> list[float]:
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER_SCRIPT)
+    env = dict(os.environ, TORCHTPU_MODE=mode, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "deferfuse", str(script), str(tmp_path / "out")],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("LOSSES ")]
+    assert lines, out.stdout[-2000:]
+    return json.loads(lines[-1][len("LOSSES "):])
+
+
+def test_hugging_face_trainer_under_torchtpu_mode_defer(tmp_path):
+    """``TORCHTPU_MODE=defer python -m deferfuse train.py``: the model is built under defer,
+    Trainer moves it with ``model.to()`` (``param.data = ...``) and trains it."""
+    strict = _trainer_losses(tmp_path, "strict")
+    defer = _trainer_losses(tmp_path, "defer")
+    assert len(strict) == 4
+    torch.testing.assert_close(torch.tensor(defer), torch.tensor(strict), rtol=1e-5, atol=1e-6)
