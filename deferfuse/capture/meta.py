@@ -378,6 +378,12 @@ def _no_weights_unless_needed(outs: tuple, args: tuple, kwargs: dict) -> tuple:
     return outs if need_weights else (outs[0], None)
 
 
+def _no_workspace_without_grad(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """An LSTM layer (mkldnn_rnn_layer) outside grad mode: the CPU kernel gives no workspace
+    (None); the meta kernel an empty tensor.  (The recorder keys this op by grad mode.)"""
+    return outs if torch.is_grad_enabled() else outs[:3] + (None,)
+
+
 def _from_shape_rule(op: torch._ops.OpOverload):
     """The metadata our shape rule gives: for a meta kernel written for another device, which
     runs for some calls (the rest reach the rule when it raises) but lays out its output as
@@ -399,6 +405,7 @@ _CPU_CORRECTIONS = {
     torch.ops.aten._native_batch_norm_legit_no_training.default: _eval_batch_norm,
     torch.ops.aten._native_batch_norm_legit.default: _no_saved_stats_in_eval,
     torch.ops.aten._native_multi_head_attention.default: _no_weights_unless_needed,
+    torch.ops.aten.mkldnn_rnn_layer.default: _no_workspace_without_grad,
     # (CUDA's: bfloat16 only, a contiguous output; the CPU kernel pads its output's rows to 16
     # bytes, and runs float32 and float16 too: lower/grouped_mm.py)
     torch.ops.aten._grouped_mm.default: _from_shape_rule(torch.ops.aten._grouped_mm.default),

@@ -149,7 +149,11 @@ _FACTS: dict[int, tuple] = {}
 
 
 def _facts(func: torch._ops.OpOverload) -> tuple:
-    facts = _FACTS[id(func)] = (op_info(func), _special_form(func), str(func))
+    """(op_info, our special form or None, the op's name, whether its calls are keyed by grad
+    mode: Lowering.grad_mode_keyed)."""
+    lowered = get_lowering(func)
+    facts = _FACTS[id(func)] = (op_info(func), _special_form(func), str(func),
+                                lowered is not None and lowered.grad_mode_keyed)
     return facts
 
 
@@ -176,7 +180,7 @@ _UNSEEN = object()
 
 
 def _fast_form(func: torch._ops.OpOverload) -> Optional[_FastForm]:
-    info, special, name = _FACTS.get(id(func)) or _facts(func)
+    info, special, name, _ = _FACTS.get(id(func)) or _facts(func)
     form = None
     if not info.composite_implicit and special is None:
         scalar_at = tuple(n in info.scalar_args for n in info.arg_names)
@@ -598,7 +602,7 @@ class Recorder:
         facts = _FACTS.get(id(func))
         if facts is None:
             facts = _facts(func)
-        info, special, _ = facts
+        info, special, _, _ = facts
         if (info.composite_implicit or special is not None or info.kind in _ACTS_BEFORE_CONVERTING) \
                 and _opaque_in(args, kwargs):
             # (other kinds find an opaque argument when they convert it, before doing anything)
@@ -664,7 +668,7 @@ class Recorder:
         vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(info.scalar_args, info.arg_names, args, kwargs)
         # (keyed by the op's name: hashing the OpOverload itself runs Python)
         facts = _FACTS.get(id(func)) or _facts(func)
-        key = (facts[2], key)
+        key = (facts[2], torch.is_grad_enabled(), key) if facts[3] else (facts[2], key)
         if at_once_if_unseen and meta_.first_sighting(key, user_line()):
             return None
         try:

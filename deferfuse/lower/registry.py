@@ -45,13 +45,18 @@ class Lowering:
     op: torch._ops.OpOverload
     rule: Rule
     check: Optional[Checker] = None
+    # whether torch's kernel gives other outputs under grad mode (an LSTM layer's workspace):
+    # the recorder then keys the op's metadata and check by grad mode too
+    grad_mode_keyed: bool = False
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
 
 
-def lowering(*ops: torch._ops.OpOverload, check: Optional[Checker] = None) -> Callable[[Rule], Rule]:
-    """Register ``rule`` as the lowering of each overload in ``ops``."""
+def lowering(*ops: torch._ops.OpOverload, check: Optional[Checker] = None,
+             grad_mode_keyed: bool = False) -> Callable[[Rule], Rule]:
+    """Register ``rule`` as the lowering of each overload in ``ops`` (``grad_mode_keyed``: see
+    Lowering)."""
     for op in ops:
         if not isinstance(op, torch._ops.OpOverload):
             raise TypeError(f"lowering() takes aten overloads such as aten.add.Tensor, got {op!r}")
@@ -62,7 +67,7 @@ def lowering(*ops: torch._ops.OpOverload, check: Optional[Checker] = None) -> Ca
                 raise DuplicateLoweringError(
                     f"{op} already lowered by {LOWERINGS[op].rule.__module__}."
                     f"{LOWERINGS[op].rule.__qualname__}; remove one of the two registrations")
-            LOWERINGS[op] = Lowering(op, rule, check)
+            LOWERINGS[op] = Lowering(op, rule, check, grad_mode_keyed)
         return rule
 
     return register
