@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deep demo bench bench-train conformance clean
+.PHONY: install test test-deep demo bench bench-train bench-zoo conformance clean
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -33,6 +33,12 @@ bench: $(STAMP)
 # BENCH_TRAIN_ARGS adds options, e.g. BENCH_TRAIN_ARGS="--quick" or "--only strict,defer".
 bench-train: $(STAMP)
 	$(PY) -m bench.train_gpt $(BENCH_TRAIN_ARGS)
+
+# The model zoo (bench/zoo.py): real Hugging Face and torch.nn models, strict vs defer vs the
+# deferred engine, training steps and generate().  BENCH_ZOO_ARGS adds options, e.g.
+# BENCH_ZOO_ARGS="--size tiny" or "--only llama,gpt2".
+bench-zoo: $(STAMP)
+	$(PY) -m bench.zoo $(BENCH_ZOO_ARGS)
 
 # The OpInfo conformance sweep (docs/conformance.md): every OpInfo x dtype x variant, strict vs
 # defer.  CONFORMANCE_ARGS adds options, e.g. CONFORMANCE_ARGS="--max-samples 0" for every sample.
