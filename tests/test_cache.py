@@ -188,6 +188,32 @@ def test_executables_in_memory_are_bounded_least_recently_used_first():
         assert deferfuse.stats()["compiles"] == 41   # evicted, compiled again
 
 
+def test_executables_in_memory_are_bounded_by_the_mappings_they_hold(monkeypatch):
+    """Found as a crash: the model zoo bench (bench/zoo.py) died of SIGSEGV after nine models
+    ("LLVM compilation error: Cannot allocate memory"), with fewer executables than
+    executable_cache_size: a model's executable holds hundreds of memory mappings (a Llama
+    training step ~1,450), not 7.  Past runtime.MAPPING_SHARE of the process's limit, the oldest
+    executables go.  Here the limit is made small: 60 mappings above what the process holds."""
+    from deferfuse.exec import runtime
+    runtime.clear_cache()
+    budget = _maps() + 60
+    monkeypatch.setattr(runtime, "max_map_count", lambda: int(budget / runtime.MAPPING_SHARE) + 1)
+
+    def run(n: int) -> torch.Tensor:
+        x = torch.arange(n, dtype=torch.float32)
+        with deferfuse.defer():
+            y = (x * 0.25 - 1.0).sin() * x
+        return y
+
+    with deferfuse.config.override(always_compile=True, cache_dir="", executable_cache_size=0):
+        deferfuse.reset_stats()
+        for n in range(1, 41):
+            torch.testing.assert_close(run(n), (torch.arange(float(n)) * 0.25 - 1.0).sin() * torch.arange(float(n)))
+            assert _maps() <= budget + 20   # (one executable's worth above the budget at most)
+        assert deferfuse.stats()["executables_evicted"] > 0
+        assert 0 < len(runtime._EXECUTABLES) < 40
+
+
 def test_the_metadata_cache_is_bounded(monkeypatch):
     """A program whose shapes never repeat must not grow the metadata cache without end: past
     its limit it is emptied, and inference goes on giving strict's metadata."""

@@ -191,22 +191,59 @@ class _Compiled:
         self.relower: Optional[Callable[[], Any]] = None
 
 
-# Executables by signature, least recently used first.  Bounded: each holds JIT-compiled code
-# (~1.6 MB and 7 memory mappings on the CPU), and a program whose shapes keep changing would
-# otherwise grow without end, until the process runs out of memory mappings (Linux's default
-# vm.max_map_count, 65530, is ~9,000 executables) and XLA's compiler crashes.  An evicted
-# signature that comes back is loaded from the disk cache, or compiled again.
+# Executables by signature, least recently used first.  Bounded twice: by count
+# (executable_cache_size), and by the memory mappings their JIT-compiled code holds.  Linux caps
+# a process's mappings (vm.max_map_count, 65530 by default); past it LLVM cannot map the code of
+# the next compile ("LLVM compilation error: Cannot allocate memory") and the process dies of
+# SIGSEGV.  A small program's executable holds ~7 mappings, but a model's many more: a Llama
+# training step's ~1,450, each generate() decoding step's ~200 (one per fused kernel, about), so
+# the zoo bench (bench/zoo.py) crashed after nine models with fewer than 512 executables.  When
+# the process holds more than MAPPING_SHARE of its limit after a store, the oldest executables go,
+# a quarter of the cache at a time, until it holds less.  An evicted signature that comes back is
+# loaded from the disk cache, or compiled again.
 _EXECUTABLES: "collections.OrderedDict[Any, _Compiled]" = collections.OrderedDict()
+MAPPING_SHARE = 0.5
 
 
 def _store(sig: Any, compiled: _Compiled) -> None:
     _EXECUTABLES[sig] = compiled
     limit = config.get("executable_cache_size")
     while limit > 0 and len(_EXECUTABLES) > limit:
-        evicted, _ = _EXECUTABLES.popitem(last=False)
-        for per_signature in (_CHOICE, _EAGER_SECONDS, _XLA_SECONDS, _EAGER_RUNS):
-            per_signature.pop(evicted, None)
-        STATS.executables_evicted += 1
+        _evict_oldest()
+    budget = _mapping_budget()
+    while budget is not None and len(_EXECUTABLES) > 1 and _mappings_in_use() > budget:
+        for _ in range(max(1, len(_EXECUTABLES) // 4)):
+            _evict_oldest()
+
+
+def _evict_oldest() -> None:
+    evicted, _ = _EXECUTABLES.popitem(last=False)
+    for per_signature in (_CHOICE, _EAGER_SECONDS, _XLA_SECONDS, _EAGER_RUNS):
+        per_signature.pop(evicted, None)
+    STATS.executables_evicted += 1
+
+
+def max_map_count() -> Optional[int]:
+    """The kernel's cap on this process's memory mappings (None where there is no such file)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _mapping_budget() -> Optional[int]:
+    limit = max_map_count()
+    return None if limit is None else int(limit * MAPPING_SHARE)
+
+
+def _mappings_in_use() -> int:
+    """This process's memory mappings now (a line each in /proc/self/maps; ~1 ms for 16,000)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
 
 
 def _bounded(per_signature: dict) -> dict:
