@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
 
@@ -99,3 +100,20 @@ def grads(fn: Callable[..., Any]) -> Callable[..., Any]:
         weight = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin() + 0.5
         return torch.autograd.grad(y, wanted, weight)
     return run
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(fn: Callable[..., Any], *inputs: Any) -> set:
+    """The aten ops ``fn`` reaches under strict (which a test of a lowering must exercise)."""
+    with _Ops() as mode:
+        fn(*inputs)
+    return mode.seen

@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
-from oracle import assert_same, run_both
+from oracle import assert_same, ops_of, run_both
 from oracle import lowered as _lowered
 
 aten = torch.ops.aten
@@ -36,23 +35,6 @@ def lowered(fn, *inputs):
 def same_exception(fn, *inputs):
     expected, actual, _, _ = run_both(fn, *inputs)
     assert expected is None and actual is None
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(func)
-        return func(*args, **(kwargs or {}))
-
-
-def ops_of(fn, *inputs) -> set:
-    """The aten ops ``fn`` reaches under strict."""
-    with _Ops() as mode:
-        fn(*inputs)
-    return mode.seen
 
 
 def grads(fn):

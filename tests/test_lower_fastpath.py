@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
-from oracle import assert_same, run_both
+from oracle import assert_same, ops_of, run_both
 from oracle import lowered as _lowered
 
 aten = torch.ops.aten
@@ -33,22 +32,6 @@ def fell_back(fn, *inputs) -> dict:
     expected, actual, _, _ = run_both(fn, *inputs)
     assert_same(expected, actual)
     return dict(deferfuse.stats()["fallbacks"])
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(func)
-        return func(*args, **(kwargs or {}))
-
-
-def ops_of(fn, *inputs) -> set:
-    with _Ops() as mode:
-        fn(*inputs)
-    return mode.seen
 
 
 def encoder(activation="relu", norm_first=False, layers=2, dtype=torch.float32, nested=False):

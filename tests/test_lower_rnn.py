@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
-from oracle import assert_same, run_both
+from oracle import assert_same, ops_of, run_both
 from oracle import check as _check
 from oracle import lowered as _lowered
 
@@ -43,23 +42,6 @@ def fully_lowered(fn, *inputs):
     out = _lowered(fn, *inputs, compared=True, decompositions=True)
     assert not {str(LAYER), str(LAYER_BACKWARD)} & set(deferfuse.stats()["decompositions"])
     return out
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(func)
-        return func(*args, **(kwargs or {}))
-
-
-def ops_of(fn, *inputs) -> set:
-    """The aten ops ``fn`` reaches under strict."""
-    with _Ops() as mode:
-        fn(*inputs)
-    return mode.seen
 
 
 def make_lstm(dtype=torch.float32, seed=0, **options):
