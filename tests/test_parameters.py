@@ -107,3 +107,40 @@ def test_hugging_face_trainer_under_torchtpu_mode_defer(tmp_path):
     defer = _trainer_losses(tmp_path, "defer")
     assert len(strict) == 4
     torch.testing.assert_close(torch.tensor(defer), torch.tensor(strict), rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_state_and_buffers_made_under_defer_are_plain_tensors():
+    """A deferred first step makes AdamW's state with zeros_like: kept as DeferredTensors, every
+    later step run at once (the block tier's choice) paid the wrapper's Python dispatch on each
+    op.  The state is swapped for plain tensors after the step; values stay strict's."""
+    def make():
+        torch.manual_seed(0)
+        # (no bias before the BatchNorm: its gradient is rounding noise, whose sign AdamW follows)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.BatchNorm1d(8),
+                                    torch.nn.Linear(8, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, opt, k):
+        g = torch.Generator().manual_seed(k)
+        loss = model(torch.randn(6, 4, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model, opt = make()
+    expected = [step(model, opt, k).item() for k in range(4)]
+    with deferfuse.defer():
+        model_d, opt_d = make()
+        buffers = dict(model_d.named_buffers())
+        losses = [step(model_d, opt_d, 0)]
+    assert all(type(b) is torch.Tensor for b in buffers.values())
+    for state in opt_d.state.values():
+        assert all(type(v) is torch.Tensor for v in state.values()), {k: type(v) for k, v in state.items()}
+    losses += [step(model_d, opt_d, k) for k in range(1, 3)]        # at once, as strict
+    with deferfuse.defer():
+        losses.append(step(model_d, opt_d, 3))
+    torch.testing.assert_close(torch.tensor([loss.item() for loss in losses]), torch.tensor(expected))
+    torch.testing.assert_close(list(model_d.parameters()), list(model.parameters()))
+    for a, b in zip(opt.state.values(), opt_d.state.values()):
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"])
