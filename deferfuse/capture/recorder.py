@@ -149,12 +149,21 @@ _FACTS: dict[int, tuple] = {}
 
 
 def _facts(func: torch._ops.OpOverload) -> tuple:
-    """(op_info, our special form or None, the op's name, whether its calls are keyed by grad
-    mode: Lowering.grad_mode_keyed)."""
-    lowered = get_lowering(func)
-    facts = _FACTS[id(func)] = (op_info(func), _special_form(func), str(func),
-                                lowered is not None and lowered.grad_mode_keyed)
+    facts = _FACTS[id(func)] = (op_info(func), _special_form(func), str(func))
     return facts
+
+
+# id(op) -> whether its calls are keyed by grad mode too (Lowering.grad_mode_keyed), asked only
+# for calls that are recorded: the lowering table is not loaded for ops run at first sight
+_GRAD_KEYED: dict[int, bool] = {}
+
+
+def _grad_mode_keyed(func: torch._ops.OpOverload) -> bool:
+    keyed = _GRAD_KEYED.get(id(func))
+    if keyed is None:
+        lowered = get_lowering(func)
+        keyed = _GRAD_KEYED[id(func)] = lowered is not None and lowered.grad_mode_keyed
+    return keyed
 
 
 class _FastForm(NamedTuple):
@@ -180,7 +189,7 @@ _UNSEEN = object()
 
 
 def _fast_form(func: torch._ops.OpOverload) -> Optional[_FastForm]:
-    info, special, name, _ = _FACTS.get(id(func)) or _facts(func)
+    info, special, name = _FACTS.get(id(func)) or _facts(func)
     form = None
     if not info.composite_implicit and special is None:
         scalar_at = tuple(n in info.scalar_args for n in info.arg_names)
@@ -602,7 +611,7 @@ class Recorder:
         facts = _FACTS.get(id(func))
         if facts is None:
             facts = _facts(func)
-        info, special, _, _ = facts
+        info, special, _ = facts
         if (info.composite_implicit or special is not None or info.kind in _ACTS_BEFORE_CONVERTING) \
                 and _opaque_in(args, kwargs):
             # (other kinds find an opaque argument when they convert it, before doing anything)
@@ -668,9 +677,11 @@ class Recorder:
         vargs, vkw, margs, mkw, key, inputs, scalars = self.convert(info.scalar_args, info.arg_names, args, kwargs)
         # (keyed by the op's name: hashing the OpOverload itself runs Python)
         facts = _FACTS.get(id(func)) or _facts(func)
-        key = (facts[2], torch.is_grad_enabled(), key) if facts[3] else (facts[2], key)
+        key = (facts[2], key)
         if at_once_if_unseen and meta_.first_sighting(key, user_line()):
             return None
+        if _grad_mode_keyed(func):
+            key = (key, torch.is_grad_enabled())
         try:
             entry = meta_.infer(func, key, margs, mkw)
         except NotImplementedError as error:
