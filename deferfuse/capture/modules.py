@@ -72,7 +72,12 @@ def _real_buffer(module: torch.nn.Module, name: str, buffer: Optional[torch.Tens
 
 
 def _plain_state(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """The optimizer step post-hook: the state tensors this step made, plain."""
+    """The optimizer step post-hook: the state tensors this step made, plain.  Only a step run
+    under defer makes deferred state, so a step run otherwise (strict, or a block run at once)
+    does not walk the state."""
+    from ..modes import active_recorder
+    if active_recorder() is None:
+        return
     for state in optimizer.state.values():
         for key, value in state.items():
             if isinstance(value, DeferredTensor) and not value.requires_grad:
