@@ -59,3 +59,14 @@ def user_defaults(request, monkeypatch):
     with config.override(**tiers.settings):
         yield tiers
     forget_what_was_learned()
+
+
+@pytest.fixture(autouse=True)
+def _background_compiles_end_with_their_test():
+    """A graph a test queued for background compilation finishes before the next test starts:
+    otherwise it lands in that test's ``deferfuse.stats()`` (a compile counted after its
+    ``reset_stats()``), and what a test counts would depend on which tests ran before it."""
+    yield
+    runtime = sys.modules.get("deferfuse.exec.runtime")
+    if runtime is not None and runtime.compiles_pending():
+        runtime.wait_for_compiles(timeout=300)
