@@ -28,11 +28,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
+    from . import config
     from .modes import parse_mode
-    chosen = options.mode if options.mode is not None else os.environ.get("TORCHTPU_MODE") or "defer"
+    chosen = options.mode if options.mode is not None else config.requested_mode() or "defer"
     mode = parse_mode(chosen, source="--mode" if options.mode is not None else "TORCHTPU_MODE")
     # the script (and any subprocess it starts) sees the mode it runs under
-    os.environ["TORCHTPU_MODE"] = mode.value
+    config.pass_mode_to_children(mode.value)
 
     import deferfuse
     script = options.script

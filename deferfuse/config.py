@@ -226,3 +226,45 @@ def settings() -> dict[str, Setting]:
 def compile_key() -> tuple:
     """The values of every setting that changes compiled code, for the executable cache key."""
     return tuple(get(s.name) for s in _SETTINGS.values() if s.affects_compile)
+
+
+# -- the rest of the environment -----------------------------------------------------------------
+# Variables that are not deferfuse settings but that deferfuse reads (or, for TORCHTPU_MODE,
+# passes on to child processes).  They are read here only, at the moment they are asked for:
+# each belongs to another program (the product's mode switch, XLA, JAX, glibc), which reads it
+# at its own time.
+
+MODE_VARIABLE = "TORCHTPU_MODE"
+# glibc's own malloc variables: when the user set any, deferfuse leaves malloc's thresholds alone
+_MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def requested_mode() -> str | None:
+    """The eager mode ``TORCHTPU_MODE`` asks for (strict, debug, defer), or None when it is
+    unset or blank."""
+    value = os.environ.get(MODE_VARIABLE)
+    return None if value is None or value.strip() == "" else value
+
+
+def pass_mode_to_children(mode: str) -> None:
+    """Set ``TORCHTPU_MODE`` for this process's children (``python -m deferfuse`` does, so a
+    subprocess the script starts runs under the same mode)."""
+    os.environ[MODE_VARIABLE] = mode
+
+
+def xla_flags() -> str:
+    """``XLA_FLAGS`` as the environment holds it now (XLA reads it once, when its backend
+    starts)."""
+    return os.environ.get("XLA_FLAGS", "")
+
+
+def user_tuned_malloc() -> bool:
+    """Whether the user chose glibc malloc's behaviour in the environment (its ``MALLOC_*_``
+    variables or a ``glibc.malloc`` tunable)."""
+    return any(v in os.environ for v in _MALLOC_VARIABLES) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def jax_flag_in_environment(flag: str) -> bool:
+    """Whether JAX's flag ``flag`` is set through its environment variable (the flag's name in
+    upper case), which JAX honours over anything deferfuse would choose."""
+    return flag.upper() in os.environ

@@ -18,7 +18,6 @@ import contextlib
 import enum
 import gc
 import logging
-import os
 import sys
 import threading
 from typing import Iterator, Optional, Union
@@ -392,7 +391,7 @@ def active_recorder():
 
 
 def apply_environment() -> None:
-    value = os.environ.get("TORCHTPU_MODE")
-    if value is None or value.strip() == "":
+    value = config.requested_mode()
+    if value is None:
         return
     set_mode(parse_mode(value, source="TORCHTPU_MODE"))

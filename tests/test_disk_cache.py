@@ -203,7 +203,7 @@ def test_the_key_covers_every_input_of_the_executable(disk, monkeypatch):
     diskcache.save(signature, _tiny_executable(), 0, [])
     assert diskcache.load(signature) is not None
     changes = [(diskcache, "_code_version", lambda: "changed lowering"),
-               (deferfuse, "__version__", "9.9.9"), (jax, "__version__", "9.9.9"),
+               (deferfuse.version, "__version__", "9.9.9"), (jax, "__version__", "9.9.9"),
                (jaxlib.version, "__version__", "9.9.9"), (torch, "__version__", "9.9.9"),
                (diskcache, "_cpu_features", lambda: "x86_64 without avx512"),
                (diskcache, "_xla_flags", lambda: "--xla_cpu_enable_fast_math=true"),

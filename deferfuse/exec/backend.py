@@ -30,7 +30,6 @@ process-wide, not undone, and not at all where the user set the same thresholds 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from .. import config
@@ -44,7 +43,6 @@ _JAX_FLAG = "jax_cpu_enable_async_dispatch"
 _MMAP_THRESHOLD = 256 << 20
 _TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # (mallopt's parameter numbers, malloc.h)
-_MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 _prepared = False
 malloc_tuned = False   # whether prepare() set malloc's thresholds in this process
 _lock = threading.Lock()
@@ -66,7 +64,7 @@ def tune_malloc() -> bool:
     global malloc_tuned
     if malloc_tuned:
         return True
-    if any(v in os.environ for v in _MALLOC_VARIABLES) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    if config.user_tuned_malloc():
         return False   # the user chose the allocator's behaviour
     import platform
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -87,7 +85,7 @@ def tune_malloc() -> bool:
 def _prepare() -> None:
     if config.get("malloc_tuning"):
         tune_malloc()
-    if config.get("xla_cpu_async_dispatch") or _JAX_FLAG.upper() in os.environ:
+    if config.get("xla_cpu_async_dispatch") or config.jax_flag_in_environment(_JAX_FLAG):
         return
     try:
         from jax._src import xla_bridge

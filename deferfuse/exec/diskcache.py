@@ -48,7 +48,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .. import config
+from .. import config, version
 from ..stats import STATS
 from .._lazy import lazy_import
 
@@ -145,7 +145,7 @@ def _code_version() -> str:
 def _xla_flags() -> str:
     """XLA_FLAGS as XLA read them when its backend started (they change what it compiles:
     fast math, the dot libraries, the instruction sets); read once, as XLA does."""
-    return os.environ.get("XLA_FLAGS", "")
+    return config.xla_flags()
 
 
 @functools.cache
@@ -173,9 +173,8 @@ def _jaxlib_version() -> str:
 
 def key_inputs() -> dict[str, str]:
     """Everything besides the signature that the key of an executable holds."""
-    from .. import __version__
     device = jax.devices()[0]
-    return {"format": str(_FORMAT), "deferfuse": __version__, "code": _code_version(),
+    return {"format": str(_FORMAT), "deferfuse": version.__version__, "code": _code_version(),
             "jax": jax.__version__, "jaxlib": _jaxlib_version(), "torch": torch.__version__,
             "platform": f"{device.client.platform} {device.client.platform_version}",
             "device": f"{device.device_kind} x{len(jax.devices())}",
