@@ -152,7 +152,7 @@ _GC_FREEZE = _GcFreeze()
 
 
 def _start_defer():
-    from .capture.recorder import DeferMode
+    from .capture.mode import DeferMode
     handle = DeferMode()
     handle.__enter__()
     _GC_FREEZE.enter()
@@ -166,7 +166,7 @@ def _stop_defer(handle, reason: FlushReason, *, flush: bool = True) -> None:
             recorder.flush_all(reason)
     finally:
         recorder.active = False
-        from .capture.recorder import drop_reads
+        from .capture.storage import drop_reads
         drop_reads(recorder.real_states)
         recorder.real_states.clear()
         try:

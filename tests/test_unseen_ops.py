@@ -259,8 +259,8 @@ def test_a_long_block_keeps_a_bounded_watch_on_results_run_at_once(lone_on, monk
     """A block that runs a lone op at once on every iteration of a long loop watches a bounded
     number of its results for consumers."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
-    from deferfuse.capture import recorder
-    monkeypatch.setattr(recorder, "_AT_ONCE_LIMIT", 8)
+    from deferfuse.capture import at_once
+    monkeypatch.setattr(at_once, "AT_ONCE_LIMIT", 8)
     x, w, b = torch.randn(97, 4), torch.randn(4), torch.randn(4)
 
     def norm():

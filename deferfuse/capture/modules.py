@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.optim.optimizer as torch_optimizer
 
+from .dispatch_keys import no_dispatch
 from .tensor import DeferredTensor
 
 _install_lock = threading.Lock()
@@ -48,7 +49,6 @@ def install() -> None:
 
 def _plain(value: DeferredTensor) -> torch.Tensor:
     """A plain tensor over new memory, laid out as ``value``, that a recorded copy fills."""
-    from .recorder import no_dispatch
     with no_dispatch():
         memory = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
     with torch.no_grad():
