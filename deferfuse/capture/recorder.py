@@ -19,12 +19,12 @@ Two kinds of memory need more than the storage model:
 
   opaque     a tensor that is not dense and strided (sparse, nested, quantized, mkldnn) or a
              subclass with its own __torch_dispatch__ has no storage to model: an op with one
-             among its arguments or results runs at once on torch's kernel (``opaque``), after
+             among its arguments or results runs at once on torch's kernel (``opaque.opaque``), after
              everything pending is flushed (its memory may be any storage's: a sparse tensor's
              values, a subclass's inner tensors)
   foreign    memory torch does not own (``from_numpy``, ``frombuffer``, DLPack imports, shared
              memory) may be written by code we never see, between two ops: each recorded read
-             of it copies what it reads then, and is never cached (``foreign``).  Writes into
+             of it copies what it reads then, and is never cached (``storage.foreign``).  Writes into
              it are pending values of the graph, as for any storage, and land at the flush.
 
 The Recorder is split by concern: this file holds its core (reading and writing storages,

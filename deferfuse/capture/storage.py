@@ -25,6 +25,7 @@ raw_data_ptr = torch._C.TensorBase.data_ptr   # (not the wrapper of patches.READ
 # tensor, its views, a materialized deferred tensor) shares one StorageState.
 STATES_BY_PTR: "weakref.WeakValueDictionary[int, StorageState]" = weakref.WeakValueDictionary()
 
+# The flat buffer over a user tensor's storage, by id of the tensor that owns the view (the
 # tensor itself, or its base): (weak reference to it, data pointer, numel, dtype, buffer).  A
 # user storage gets a new StorageState in each defer context, but the same buffer object, so
 # the DLPack view of it made for one flush (interop's cache, keyed by the tensor) serves the
@@ -37,7 +38,7 @@ BUFFERS: dict[int, tuple] = {}
 # the same 200 tensors in every block, ~15 us each to work out afresh) while the tensor lives.
 # Checked on every use against the tensor's memory and layout, which code we do not see can
 # change; changes we do see clear it (Recorder._forget_plain).  A block's exit drops what its
-# states cached from the graph (_drop_reads), so an entry keeps no computed values alive.
+# states cached from the graph (drop_reads), so an entry keeps no computed values alive.
 PLAIN: dict[int, tuple] = {}
 PLAIN_CACHE_SIZE = 4096   # plain tensors remembered before starting over
 
