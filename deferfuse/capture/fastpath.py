@@ -86,7 +86,6 @@ class FastPathMixin:
         node.out_refs = (weakref.ref(value),)
         return value
 
-    # -- dispatch ------------------------------------------------------------------------------
     def _convert_fast(self, form: "FastForm", args: tuple, kwargs: dict) -> Optional[tuple]:
         """``convert`` without the meta arguments (needed only when metadata is not cached):
         (node args, node kwargs, key, input values, runtime scalars), or None where an

@@ -312,6 +312,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin):
             return r, r, float
         return a, a, k
 
+    # -- dispatch ------------------------------------------------------------------------------
     def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         STATS.ops_recorded += 1
         facts = FACTS.get(id(func))
