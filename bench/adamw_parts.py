@@ -8,7 +8,7 @@ The same hand-written AdamW as ``make bench`` (bench.workloads.adamw_step), one 
 block.  For each step it measures, with wall-clock time: the strict step; recording (the body of
 the block); the flush (leaving the block); inside the flush's XLA call, importing the inputs by
 DLPack, running the executable until its results are ready, and exporting the results; the
-write-back copies into the user's tensors (the flush's ``_write_back`` calls).  It also counts minor
+write-back copies into the user's tensors (the flush's ``write_back`` calls).  It also counts minor
 page faults per step (``getrusage``: fresh memory touched for the first time) and the resident
 memory after every step, which shows a leak as growth.  Medians over the timed steps; the
 machine is noisy, so compare the parts of one run.
@@ -31,7 +31,7 @@ os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
 
 import deferfuse
 from bench.workloads import adamw_spec
-from deferfuse.capture import recorder as recorder_module
+from deferfuse.capture import flush
 from deferfuse.exec import interop, runtime
 
 
@@ -66,7 +66,7 @@ def _instrumented(parts: dict[str, _Timer]):
     and the flush's write-back copies."""
     to_jax, to_torch, lookup = interop.to_jax, interop.to_torch, runtime.lookup
     block = runtime.jax.block_until_ready
-    write_back = recorder_module._write_back
+    write_back = flush.write_back
     run = parts["run executable"]
 
     def timed_lookup(*args, **kwargs):
@@ -80,13 +80,13 @@ def _instrumented(parts: dict[str, _Timer]):
     interop.to_torch = parts["export results (DLPack)"].wrap(to_torch)
     runtime.lookup = timed_lookup
     runtime.jax.block_until_ready = run.wrap(block)
-    recorder_module._write_back = parts["write-back copies"].wrap(write_back)
+    flush.write_back = parts["write-back copies"].wrap(write_back)
     try:
         yield
     finally:
         interop.to_jax, interop.to_torch, runtime.lookup = to_jax, to_torch, lookup
         runtime.jax.block_until_ready = block
-        recorder_module._write_back = write_back
+        flush.write_back = write_back
 
 
 def main() -> None:
@@ -98,7 +98,7 @@ def main() -> None:
                         help="alternate steps between the write-back as one memmove per tensor "
                              "(deferfuse's default up to 1 MB) and torch's copy_, and show both")
     options = parser.parse_args()
-    memmove_bytes = recorder_module._MEMMOVE_BYTES
+    memmove_bytes = flush.MEMMOVE_BYTES
 
     spec = adamw_spec(count=options.count)
     strict_inputs, defer_inputs = spec.make_inputs(), spec.make_inputs()
@@ -116,7 +116,7 @@ def main() -> None:
         strict = time.perf_counter() - started
         faults = _faults()
         by_copy = options.write_back_both and step % 2 == 1
-        recorder_module._MEMMOVE_BYTES = -1 if by_copy else memmove_bytes
+        flush.MEMMOVE_BYTES = -1 if by_copy else memmove_bytes
         started = time.perf_counter()
         instrument = _instrumented(parts)
         with deferfuse.defer():

@@ -500,10 +500,10 @@ class _Timers:
     the duration of a block (nothing in deferfuse is changed on disk)."""
 
     TARGETS = (
-        ("deferfuse.capture.recorder", "materialize_states", "flush (all, inclusive)"),
-        ("deferfuse.capture.recorder", "_widen", "  widen to what shares work"),
-        ("deferfuse.capture.recorder", "_write_back", "  write-back into memory (copies)"),
-        ("deferfuse.capture.recorder", "_release", "  release computed nodes"),
+        ("deferfuse.capture.flush", "materialize_states", "flush (all, inclusive)"),
+        ("deferfuse.capture.flush", "_widen", "  widen to what shares work"),
+        ("deferfuse.capture.flush", "write_back", "  write-back into memory (copies)"),
+        ("deferfuse.capture.flush", "_release", "  release computed nodes"),
         ("deferfuse.plan.partition", "partition", "  plan (partition)"),
         ("deferfuse.exec.runtime", "execute_eager", "  eager replay"),
         ("deferfuse.exec.runtime", "execute_xla", "  xla (inclusive)"),

@@ -34,13 +34,14 @@ __all__ = [
 
 def sync(*tensors: torch.Tensor) -> None:
     """Compute now: the given tensors, or with no arguments everything pending on this thread."""
-    from .capture.recorder import materialize_states, no_dispatch
+    from .capture import flush
+    from .capture.dispatch_keys import no_dispatch
     from .modes import active_recorder
     if tensors:
         states = [t._storage for t in tensors if isinstance(t, DeferredTensor)]
         recorder = active_recorder()
         with no_dispatch():
-            materialize_states(states, FlushReason.SYNC, recorder)
+            flush.materialize_states(states, FlushReason.SYNC, recorder)
         return
     recorder = active_recorder()
     if recorder is not None:

@@ -151,7 +151,7 @@ _GC_FREEZE = _GcFreeze()
 
 
 def _start_defer():
-    from .capture.recorder import DeferMode
+    from .capture.mode import DeferMode
     handle = DeferMode()
     handle.__enter__()
     _GC_FREEZE.enter()
@@ -165,7 +165,7 @@ def _stop_defer(handle, reason: FlushReason, *, flush: bool = True) -> None:
             recorder.flush_all(reason)
     finally:
         recorder.active = False
-        from .capture.recorder import drop_reads
+        from .capture.storage import drop_reads
         drop_reads(recorder.real_states)
         recorder.real_states.clear()
         try:
@@ -187,7 +187,7 @@ def _discard_defer(handle) -> None:
 def _push(kind: EagerMode) -> object:
     """Put a new DeferMode or DebugMode on top of torch's dispatch stack."""
     processes.install()
-    modules.install()
+    modules.install(active_recorder)
     if kind is EagerMode.DEFER:
         handle = _start_defer()
     else:

@@ -85,7 +85,7 @@ def install() -> None:
 # -- fork -----------------------------------------------------------------------------------------
 def _before_fork() -> None:
     from . import modes
-    from .capture.recorder import no_dispatch
+    from .capture.dispatch_keys import no_dispatch
     recorder = modes.active_recorder()
     if recorder is None or torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python):
         return   # (nothing pending here, or a fork from inside deferfuse's own machinery)
@@ -124,7 +124,7 @@ def note_defer_at_once() -> None:
 def _reduce_deferred(t: torch.Tensor):
     """ForkingPickler's reduction of a DeferredTensor: torch's reduction of its data."""
     from torch.multiprocessing.reductions import reduce_tensor
-    from .capture.recorder import no_dispatch
+    from .capture.dispatch_keys import no_dispatch
     if t.requires_grad and not t.is_leaf:
         return reduce_tensor(t)   # (raises torch's error: autograd does not cross processes)
     with no_dispatch():
@@ -147,7 +147,7 @@ def _copying_unrecorded(original):
         from . import modes
         if modes.active_recorder() is None:
             return original(self, *args, **kwargs)
-        from .capture.recorder import no_dispatch
+        from .capture.dispatch_keys import no_dispatch
         with no_dispatch():
             return original(self, *args, **kwargs)
     _like(share, original)
@@ -160,7 +160,7 @@ def _computing_to_dlpack(original):
     def to_dlpack(tensor):
         from .capture.tensor import DeferredTensor
         if isinstance(tensor, DeferredTensor):
-            from .capture.recorder import no_dispatch
+            from .capture.dispatch_keys import no_dispatch
             with no_dispatch():
                 tensor = tensor._materialize(FlushReason.DATA_PTR)
         return original(tensor)
@@ -195,7 +195,7 @@ def _computing_put(original):
         if recorder is not None:
             tensors = _tensors(obj)
             if tensors:
-                from .capture.recorder import no_dispatch
+                from .capture.dispatch_keys import no_dispatch
                 with no_dispatch():
                     recorder.realize(tensors, FlushReason.SERIALIZE)
         return original(self, obj, block, timeout)

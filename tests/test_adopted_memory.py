@@ -12,17 +12,17 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse.capture import recorder
+from deferfuse.capture import flush
 
 
 def _counting_write_backs(monkeypatch) -> list:
     copied = []
-    original = recorder._write_back
+    original = flush.write_back
 
     def counting(buffer, flat):
         copied.append(buffer.numel())
         return original(buffer, flat)
-    monkeypatch.setattr(recorder, "_write_back", counting)
+    monkeypatch.setattr(flush, "write_back", counting)
     return copied
 
 

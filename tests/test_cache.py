@@ -219,10 +219,10 @@ def test_the_metadata_cache_is_bounded(monkeypatch):
     its limit it is emptied, and inference goes on giving strict's metadata."""
     from deferfuse.capture import meta
     meta.clear_cache()
-    monkeypatch.setattr(meta, "_CACHE_LIMIT", 16)
+    monkeypatch.setattr(meta, "CACHE_LIMIT", 16)
     with deferfuse.config.override(always_compile=True):
         for n in range(1, 60):
             with deferfuse.defer():
                 y = torch.ones(n, 2) * 2 + 1
             assert y.shape == (n, 2) and torch.equal(y, torch.full((n, 2), 3.0))
-            assert len(meta._CACHE) <= 16
+            assert meta.cache_size() <= 16

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse.capture import recorder
+from deferfuse.capture import mode, recorder, storage
+from deferfuse.capture.dispatch_keys import no_dispatch
 from deferfuse.ir import graph
 
 from oracle import check
@@ -50,8 +51,8 @@ def _recorded(program, *inputs) -> list:
         if isinstance(out, deferfuse.DeferredTensor):
             state = out._storage
         else:   # a user tensor written in place
-            with recorder.no_dispatch():
-                state = recorder._STATES_BY_PTR[out.untyped_storage().data_ptr()]
+            with no_dispatch():
+                state = storage.state_at(out.untyped_storage().data_ptr())
         value = state.contents[1]
         nodes = graph.ancestors([value])
         found = [(str(n.op), repr(n.key), repr(n.scalars)) for n in nodes]
@@ -59,8 +60,8 @@ def _recorded(program, *inputs) -> list:
 
 
 def _without_fast_path(monkeypatch):
-    monkeypatch.setattr(recorder, "_fast_form", lambda func: None)
-    monkeypatch.setattr(recorder, "_FAST", {})
+    monkeypatch.setattr(mode, "fast_form", lambda func: None)
+    monkeypatch.setattr(mode, "FAST", {})
 
 
 def _inputs():
@@ -82,7 +83,7 @@ def test_the_fast_path_matches_strict(program):
 
 
 def test_a_conjugate_view_of_a_deferred_tensor_reads_conjugated():
-    """The fast path knows a deferred tensor's lazy bits by its own flag (recorder._set_bits);
+    """The fast path knows a deferred tensor's lazy bits by its own flag (mutation.set_bits);
     a conjugate view shares its base's storage and metadata, so a missed bit would read the
     base's values."""
     z = torch.tensor([1 + 2j, -3 - 0.5j, 0.25j])
@@ -164,8 +165,8 @@ def test_every_node_lists_the_values_among_its_arguments():
         w = (z * 1.5).conj() * 2.0      # lazy bits of a deferred tensor
         r = torch.view_as_real(z * 1.0) * 3.0
         values = [a._storage.contents[1], w._storage.contents[1], r._storage.contents[1]]
-        with recorder.no_dispatch():
-            values.append(recorder._STATES_BY_PTR[x.untyped_storage().data_ptr()].contents[1])
+        with no_dispatch():
+            values.append(storage.state_at(x.untyped_storage().data_ptr()).contents[1])
         nodes = graph.ancestors(values)
         kinds = {str(n.op) for n in nodes}
         for n in nodes:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse.capture import recorder
+from deferfuse.capture import storage
 
 from oracle import assert_same
 
@@ -176,15 +176,15 @@ def _memory(source: str) -> torch.Tensor:
 ])
 def test_foreign_memory_is_told_apart_from_torchs_own(source, foreign):
     t = _memory(source)
-    assert recorder._foreign(t.untyped_storage()) is foreign
-    assert recorder._foreign(t[1:].untyped_storage()) is foreign     # (views share the storage)
+    assert storage.foreign(t.untyped_storage()) is foreign
+    assert storage.foreign(t[1:].untyped_storage()) is foreign     # (views share the storage)
 
 
 def test_a_file_mapped_by_torch_load_is_foreign(tmp_path):
     path = tmp_path / "t.pt"
     torch.save(torch.arange(4.0), path)
     t = torch.load(path, mmap=True)
-    assert recorder._foreign(t.untyped_storage())
+    assert storage.foreign(t.untyped_storage())
     assert_same(*_both(lambda: t * 2))
 
 

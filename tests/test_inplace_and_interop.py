@@ -127,17 +127,17 @@ def test_a_user_tensor_read_in_every_defer_block_is_imported_once(monkeypatch):
 
 
 def test_the_flat_buffer_of_a_user_tensor_goes_with_the_tensor():
-    from deferfuse.capture import recorder
+    from deferfuse.capture.storage import buffer_keys
     x = torch.randn(64, 32)
     with deferfuse.config.override(always_compile=True):
         with deferfuse.defer():
             (x * 2).sum().item()
     key = id(x)
-    assert key in recorder._BUFFERS
+    assert key in buffer_keys()
     storage = weakref.ref(x.untyped_storage())
     del x
     gc.collect()
-    assert key not in recorder._BUFFERS
+    assert key not in buffer_keys()
     assert storage() is None
 
 
@@ -212,17 +212,17 @@ def test_a_flush_reading_memory_it_writes_back_does_not_flush_again_inside_itsel
     """A flush runs with Python dispatch off; its own reads of user memory (the DLPack import of
     a parameter whose new contents are pending) must not trigger the plain-read write-back, which
     would start a flush inside the flush."""
-    from deferfuse.capture import recorder as recorder_module
+    from deferfuse.capture import flush
     p = torch.randn(64, generator=torch.Generator().manual_seed(1))
     before = p.clone()
     started = []
-    original = recorder_module.materialize_states
+    original = flush.materialize_states
 
     def counted(*args, **kwargs):
         started.append(len(started))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(recorder_module, "materialize_states", counted)
+    monkeypatch.setattr(flush, "materialize_states", counted)
     with deferfuse.config.override(always_compile=True):
         with deferfuse.defer():
             old = p * 2            # reads p before the write below
@@ -238,17 +238,17 @@ def test_a_flush_reading_memory_it_writes_back_does_not_flush_again_inside_itsel
 def test_write_back_into_user_memory_matches_copy(monkeypatch, dtype):
     """The write-back of computed contents: one memmove for contiguous memory of the same dtype
     up to a size, torch's copy_ otherwise (strided sources, larger tensors)."""
-    from deferfuse.capture import recorder as recorder_module
+    from deferfuse.capture import flush
     g = torch.Generator().manual_seed(3)
     source = (torch.randn(64, generator=g) * 4).to(dtype)
     for flat in (source, source[::2], source[:32]):      # contiguous, strided, (sizes match below)
         target = torch.zeros(flat.numel(), dtype=dtype)
         pointer = target.data_ptr()
-        recorder_module._write_back(target, flat)
+        flush.write_back(target, flat)
         assert torch.equal(target, flat) and target.data_ptr() == pointer
-    monkeypatch.setattr(recorder_module, "_MEMMOVE_BYTES", 8)   # a larger tensor: copy_
+    monkeypatch.setattr(flush, "MEMMOVE_BYTES", 8)   # a larger tensor: copy_
     target = torch.zeros(64, dtype=dtype)
-    recorder_module._write_back(target, source)
+    flush.write_back(target, source)
     assert torch.equal(target, source)
 
 

@@ -1,5 +1,5 @@
 """What the recorder works out for a plain tensor (its storage state and metadata) is kept
-across blocks while the tensor lives (recorder._PLAIN): an optimizer touches the same tensors
+across blocks while the tensor lives (storage.PLAIN): an optimizer touches the same tensors
 in every step.  It must never serve stale memory or layouts, nor keep memory alive."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import gc
 import torch
 
 import deferfuse
-from deferfuse.capture import recorder
+from deferfuse.capture import storage
 
 
 def _cached_state(t: torch.Tensor):
-    entry = recorder._PLAIN.get(id(t))
-    assert entry is not None and entry[0]() is t
-    return entry[1]
+    state = storage.remembered_plain(t)
+    assert state is not None
+    return state
 
 
 def test_a_block_leaves_no_graph_values_in_a_remembered_state():
@@ -34,10 +34,10 @@ def test_the_entry_goes_with_the_tensor():
     with deferfuse.defer():
         x.add_(1)
     key = id(x)
-    assert key in recorder._PLAIN
+    assert key in storage.plain_keys()
     del x
     gc.collect()
-    assert key not in recorder._PLAIN
+    assert key not in storage.plain_keys()
 
 
 def test_changes_between_blocks_are_seen():

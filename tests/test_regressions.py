@@ -324,7 +324,8 @@ def test_an_inplace_update_loop_leaves_no_cyclic_garbage(always_compile):
     38 MB per AdamW step over 50 tensors, until a full collection, which gc.freeze() inside the
     block put off: memory grew by that much every step.  Nodes now hold their outputs weakly."""
     import gc
-    from deferfuse.capture.recorder import DeferMode, Recorder
+    from deferfuse.capture.mode import DeferMode
+    from deferfuse.capture.recorder import Recorder
     from deferfuse.ir.graph import Node, Value
     params = [torch.randn(8, 16) for _ in range(3)]
     grads = [torch.randn(8, 16) for _ in range(3)]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import deferfuse
-from deferfuse.capture.recorder import _STATES_BY_PTR
+from deferfuse.capture.storage import state_at
 from deferfuse.debugging import source
 from deferfuse.ir import graph
 
@@ -23,7 +23,7 @@ def _nodes(value) -> list:
 def _of(t: torch.Tensor):
     """The pending value of a deferred tensor, or of a plain tensor's storage (read without
     torch.Tensor.untyped_storage, which a block that wrote plain tensors makes flush)."""
-    state = t._storage if hasattr(t, "_storage") else _STATES_BY_PTR[torch._C.TensorBase.untyped_storage(t).data_ptr()]
+    state = t._storage if hasattr(t, "_storage") else state_at(torch._C.TensorBase.untyped_storage(t).data_ptr())
     return state.contents[1]
 
 

@@ -162,7 +162,7 @@ def test_a_lone_place_runs_at_once_for_other_shapes_too(lone_on):
 
 def test_learned_lone_places_are_bounded(lone_on, monkeypatch):
     from deferfuse.capture import meta
-    monkeypatch.setattr(meta, "_LONE_PLACES_LIMIT", 2)
+    monkeypatch.setattr(meta, "LONE_PLACES_LIMIT", 2)
     x, w, b = torch.randn(115, 3), torch.randn(3), torch.randn(3)
     for _ in range(2):
         with deferfuse.defer():
@@ -235,14 +235,14 @@ def test_first_sightings_are_remembered_within_a_bound(unseen_on, monkeypatch):
     """A program whose shapes never repeat sights a new call every time: the memory of
     sightings is bounded (forgetting only costs a place one more eager run)."""
     from deferfuse.capture import meta
-    monkeypatch.setattr(meta, "_SIGHTED_LIMIT", 3)
-    monkeypatch.setattr(meta, "_SIGHTED", set())
-    for rows in range(101, 108):
-        x = torch.randn(rows, 2)
-        with deferfuse.defer():
-            y = x - 1.25
-        assert type(y) is torch.Tensor and len(meta._SIGHTED) <= 3
-        torch.testing.assert_close(y, x - 1.25, rtol=0, atol=0)
+    monkeypatch.setattr(meta, "SIGHTED_LIMIT", 3)
+    with meta.separate_sightings():
+        for rows in range(101, 108):
+            x = torch.randn(rows, 2)
+            with deferfuse.defer():
+                y = x - 1.25
+            assert type(y) is torch.Tensor and meta.sighted_count() <= 3
+            torch.testing.assert_close(y, x - 1.25, rtol=0, atol=0)
 
 
 def test_explain_says_how_many_ops_ran_at_once(unseen_on):
@@ -259,8 +259,8 @@ def test_a_long_block_keeps_a_bounded_watch_on_results_run_at_once(lone_on, monk
     """A block that runs a lone op at once on every iteration of a long loop watches a bounded
     number of its results for consumers."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
-    from deferfuse.capture import recorder
-    monkeypatch.setattr(recorder, "_AT_ONCE_LIMIT", 8)
+    from deferfuse.capture import at_once
+    monkeypatch.setattr(at_once, "AT_ONCE_LIMIT", 8)
     x, w, b = torch.randn(97, 4), torch.randn(4), torch.randn(4)
 
     def norm():

@@ -23,6 +23,11 @@ class OpKind(enum.Enum):
     ALLOCATION = "allocation"      # returns uninitialized memory (empty*)
 
 
+# Kinds of ops whose results never alias their arguments' memory: running one on a deferred
+# tensor's data does not hand that memory out (see StorageState.owned).
+FRESH_RESULT_KINDS = frozenset({OpKind.PURE, OpKind.OBSERVING, OpKind.DYNAMIC})
+
+
 @dataclasses.dataclass(frozen=True)
 class OpInfo:
     kind: OpKind

@@ -14,6 +14,7 @@ run but give other metadata than the CPU kernel are corrected by ``_CPU_CORRECTI
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Optional
@@ -39,11 +40,11 @@ class MetaEntry:
 _CACHE: dict[Any, Any] = {}   # key -> MetaEntry, or _NO_META
 # (a program whose shapes never repeat would grow it without end: past this many keys it is
 # emptied, which costs the keys still in use one inference each)
-_CACHE_LIMIT = 1 << 16
+CACHE_LIMIT = 1 << 16
 
 
 def _remember(key: Any, entry: Any) -> None:
-    if len(_CACHE) >= _CACHE_LIMIT:
+    if len(_CACHE) >= CACHE_LIMIT:
         _CACHE.clear()
     _CACHE[key] = entry
 
@@ -101,12 +102,12 @@ LONE_OPS: set = set()
 # place, not by the call's metadata: asking is then one lookup before any argument is looked
 # at, and running an op at once is right for any shapes (it only decides where the op runs).
 LONE_PLACES: set = set()
-_LONE_PLACES_LIMIT = 1 << 14
+LONE_PLACES_LIMIT = 1 << 14
 
 
 def mark_lone(op: Any, site: Any) -> None:
     """``op``'s flush recorded at ``site`` ran alone (on torch's kernel)."""
-    if len(LONE_PLACES) >= _LONE_PLACES_LIMIT:
+    if len(LONE_PLACES) >= LONE_PLACES_LIMIT:
         LONE_PLACES.clear()   # (places that stopped being lone: forgetting costs a lone flush)
     LONE_PLACES.add((id(op), site))
     LONE_OPS.add(id(op))
@@ -128,7 +129,7 @@ def cached(key: Any) -> Optional[MetaEntry]:
 
 
 _SIGHTED: set = set()   # (site, key) of calls run eagerly at their first sighting
-_SIGHTED_LIMIT = 1 << 16
+SIGHTED_LIMIT = 1 << 16
 
 
 def first_sighting(key: Any, site: Any) -> bool:
@@ -141,7 +142,7 @@ def first_sighting(key: Any, site: Any) -> bool:
     sighting = (site, key)
     if sighting in _SIGHTED:
         return False
-    if len(_SIGHTED) >= _SIGHTED_LIMIT:
+    if len(_SIGHTED) >= SIGHTED_LIMIT:
         # (a program whose shapes never repeat: forgetting costs each place one more eager run)
         _SIGHTED.clear()
     _SIGHTED.add(sighting)
@@ -420,6 +421,29 @@ def _walk(args: tuple, kwargs: dict):
             stack.extend(a)
         else:
             yield a
+
+
+def cache_size() -> int:
+    """How many calls' metadata (or its absence) is cached now."""
+    return len(_CACHE)
+
+
+def sighted_count() -> int:
+    """How many (place, call) sightings are remembered now."""
+    return len(_SIGHTED)
+
+
+@contextlib.contextmanager
+def separate_sightings():
+    """Inside, sightings start from none; at the exit the ones from before come back (tests of
+    the bound on sightings)."""
+    saved = set(_SIGHTED)
+    _SIGHTED.clear()
+    try:
+        yield
+    finally:
+        _SIGHTED.clear()
+        _SIGHTED.update(saved)
 
 
 def clear_cache() -> None:

@@ -22,24 +22,29 @@ state after each step (``register_optimizer_step_post_hook``; each tensor once, 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.optim.optimizer as torch_optimizer
 
+from .dispatch_keys import no_dispatch
 from .tensor import DeferredTensor
 
 _install_lock = threading.Lock()
 _installed = False
+# modes.active_recorder, handed in by install (modes imports this module, so not the reverse)
+_active_recorder: Optional[Callable[[], Any]] = None
 
 
-def install() -> None:
-    """Register the hook, once per process (called when deferfuse first pushes a mode)."""
-    global _installed
+def install(active_recorder: Callable[[], Any]) -> None:
+    """Register the hook, once per process (called when deferfuse first pushes a mode, with the
+    function that gives this thread's active recorder or None)."""
+    global _installed, _active_recorder
     if _installed:
         return
     with _install_lock:
         if not _installed:
+            _active_recorder = active_recorder
             torch.nn.modules.module.register_module_parameter_registration_hook(_real_parameter)
             torch.nn.modules.module.register_module_buffer_registration_hook(_real_buffer)
             torch_optimizer.register_optimizer_step_post_hook(_plain_state)
@@ -48,7 +53,6 @@ def install() -> None:
 
 def _plain(value: DeferredTensor) -> torch.Tensor:
     """A plain tensor over new memory, laid out as ``value``, that a recorded copy fills."""
-    from .recorder import no_dispatch
     with no_dispatch():
         memory = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
     with torch.no_grad():
@@ -75,8 +79,7 @@ def _plain_state(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """The optimizer step post-hook: the state tensors this step made, plain.  Only a step run
     under defer makes deferred state, so a step run otherwise (strict, or a block run at once)
     does not walk the state."""
-    from ..modes import active_recorder
-    if active_recorder() is None:
+    if _active_recorder() is None:
         return
     for state in optimizer.state.values():
         for key, value in state.items():

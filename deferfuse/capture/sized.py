@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import FlushReason
+from .dispatch_keys import no_dispatch
 
 aten = torch.ops.aten
 STATIC = object()
@@ -30,7 +31,6 @@ def _count(recorder, mask: torch.Tensor) -> int:
     """The number of nonzero elements of ``mask``, computed now."""
     count = torch.count_nonzero(mask)
     (real,) = recorder.realize((count,), FlushReason.DATA_DEPENDENT)
-    from .recorder import no_dispatch
     with no_dispatch():
         return int(real)
 
@@ -86,7 +86,6 @@ def _repeat_interleave(recorder, args: tuple, kwargs: dict) -> Optional[torch.Te
         return None
     total, least = repeats.sum(), repeats.min() if repeats.numel() else repeats.sum()
     real_total, real_least = recorder.realize((total, least), FlushReason.DATA_DEPENDENT)
-    from .recorder import no_dispatch
     with no_dispatch():
         size, smallest = int(real_total), int(real_least)
     given = kwargs.get("output_size")
@@ -156,7 +155,6 @@ def _bincount(recorder, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
         return None
     if x.numel():
         largest, smallest = recorder.realize((x.max(), x.min()), FlushReason.DATA_DEPENDENT)
-        from .recorder import no_dispatch
         with no_dispatch():
             largest, smallest = int(largest), int(smallest)
         if smallest < 0:

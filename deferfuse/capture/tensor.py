@@ -5,7 +5,11 @@ It is a wrapper subclass, so every path that touches data goes through us: aten 
 pickling) is overridden here to materialize first.  The Python protocols torch answers in Python
 (``format``, ``round``, ``deepcopy``, ``dir`` ...) run torch's own method on the computed data, so
 that they answer as for a plain tensor (tests/test_protocols.py).  Once its context has ended, it
-behaves as an ordinary tensor: ops on it run eagerly on its data.
+behaves as an ordinary tensor: ops on it run eagerly on its data (``dispatch_outside_context``).
+
+Computing its data is the flush's job (capture/flush.py): this module imports it inside the
+functions that need it, because the flush imports the debugging package, which imports this
+module (the flush does not import this module: no circle).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import torch
 from ..errors import FlushReason
 from ..ir.graph import StorageState
 from ..ir.meta import TensorMeta
+from .classify import FRESH_RESULT_KINDS, op_info
+from .dispatch_keys import no_dispatch
+from .trees import map_returned, map_tensors, tensors_in, written_arguments
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -59,7 +66,7 @@ class DeferredTensor(torch.Tensor):
     _storage: StorageState
     _recorder: Any
     # whether torch's lazy conjugate or negative bit is set (our views set them, through
-    # recorder._set_bits): the recorder's fast path reads this instead of asking torch twice
+    # mutation.set_bits): the recorder's fast path reads this instead of asking torch twice
     _lazy_bits = False
 
     @staticmethod
@@ -83,7 +90,6 @@ class DeferredTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .recorder import dispatch_outside_context
         return dispatch_outside_context(func, args, kwargs or {})
 
     # -- materialization ---------------------------------------------------------------------
@@ -94,8 +100,8 @@ class DeferredTensor(torch.Tensor):
         that only copy the data out."""
         storage = self._storage
         if storage.contents is not None:
-            from .recorder import materialize_states
-            materialize_states([storage], reason, self._recorder)
+            from . import flush
+            flush.materialize_states([storage], reason, self._recorder)
         if exposes:
             storage.owned = False
         m = self._meta
@@ -113,7 +119,6 @@ class DeferredTensor(torch.Tensor):
         """Materialize, then run ``use(data)`` with no dispatch mode active (torch calls made while
         reading the data, such as numpy()'s detach, must not be recorded).  ``exposes``: False
         where ``use`` only copies the data out."""
-        from .recorder import no_dispatch
         with no_dispatch():
             return use(self._materialize(reason, exposes))
 
@@ -230,3 +235,26 @@ def is_materialized(t: torch.Tensor) -> bool:
     if isinstance(t, DeferredTensor):
         return t._storage.contents is None
     return True
+
+
+def dispatch_outside_context(func, args, kwargs) -> Any:
+    """An op on DeferredTensors with no defer context active: run it eagerly on their data."""
+    from . import flush
+    info = op_info(func)
+    tensors = tensors_in(args, kwargs)
+    for t in tensors:
+        if isinstance(t, DeferredTensor) and t._storage.contents is not None:
+            flush.materialize_states([t._storage], FlushReason.ESCAPE, t._recorder if t._recorder.active else None)
+    exposes = info.kind not in FRESH_RESULT_KINDS
+
+    def real(t):
+        return t._materialize(exposes=exposes) if isinstance(t, DeferredTensor) else t
+    real_args, real_kwargs = map_tensors(args, real), map_tensors(kwargs, real)
+    out = func(*real_args, **real_kwargs)
+    if info.written:
+        written = written_arguments(func, info, args, kwargs)
+        for t in written:
+            if isinstance(t, DeferredTensor):
+                t._storage.changed()
+        return map_returned(out, written_arguments(func, info, real_args, real_kwargs), written)
+    return out

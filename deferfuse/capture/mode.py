@@ -1,0 +1,108 @@
+"""DeferMode: the TorchDispatchMode of a defer block, which hands each op to its Recorder.
+
+``_defer_dispatch`` is its ``__torch_dispatch__``: host scalars, lone ops and the fast path
+first, then the Recorder's general dispatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..debugging.source import forget_frames
+from . import meta as meta_
+from . import patches
+from .fastpath import FAST, UNSEEN, fast_form
+from .opfacts import LOCAL_SCALAR_DENSE
+from .patches import BLOCK_PATCHES, READ_PATCHES
+from .recorder import Recorder
+
+
+def _defer_dispatch(self, func, types, args=(), kwargs=None):
+    """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
+    recorder = self.recorder
+    kwargs = kwargs or {}
+    if args and type(args[0]) is torch.Tensor and args[0].numel() <= 1:
+        if func is LOCAL_SCALAR_DENSE:
+            # (an optimizer's step counter read with .item() every step)
+            result = recorder.item_if_computed(args[0])
+        elif recorder.host_scalars:
+            result = recorder.at_once_if_host_scalar(func, args, kwargs)
+        else:
+            result = NotImplemented
+        if result is not NotImplemented:
+            return result
+    if id(func) in meta_.LONE_OPS and recorder.eager_lone:
+        result = recorder.at_once_if_lone(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
+    form = FAST.get(id(func), UNSEEN)
+    if form is UNSEEN:
+        form = fast_form(func)
+    if form is not None:
+        result = recorder.record_fast(func, form, args, kwargs)
+        if result is not NotImplemented:
+            return result
+    return recorder.dispatch(func, args, kwargs)
+
+
+class DeferMode(TorchDispatchMode):
+    """Intercepts aten ops and hands them to a Recorder."""
+
+    def __init__(self, recorder: Optional[Recorder] = None) -> None:
+        super().__init__()
+        self.recorder = recorder or Recorder()
+        self.recorder.mode = self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _defer_dispatch(self, func, types, args, kwargs)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Re-enter only the dispatch mode, from inside __torch_dispatch__ (decompositions)."""
+        TorchDispatchMode.__enter__(self)
+        try:
+            yield
+        finally:
+            TorchDispatchMode.__exit__(self, None, None, None)
+
+    def __enter__(self):
+        result = super().__enter__()
+        BLOCK_PATCHES.hold()
+        return result
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            BLOCK_PATCHES.release()
+            # (a block leaves nothing pending in plain tensors: suspending one flushes it)
+            if self.recorder.guarding_reads:
+                self.recorder.guarding_reads = False
+                READ_PATCHES.release()
+        finally:
+            forget_frames()
+            super().__exit__(exc_type, exc_value, traceback)
+
+
+patches.register_mode(DeferMode)
+
+
+def _skip_dynamo_without_wrapper() -> None:
+    """TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo, so that
+    Dynamo (inside a torch.compile'd function) never traces into it; the wrapper toggles frame
+    evaluation twice per op, about a microsecond of the per-op cost.  Marking the code object
+    as skipped, recursively, tells Dynamo the same for free.  Where this torch lacks the hook,
+    the wrapper stays."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return
+
+    set_code_exec_strategy(_defer_dispatch.__code__,
+                           _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    DeferMode.__torch_dispatch__ = _defer_dispatch   # (__init_subclass__ has run already)
+
+
+_skip_dynamo_without_wrapper()

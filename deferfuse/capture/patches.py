@@ -1,0 +1,185 @@
+"""Wrappers put on torch's classes while defer blocks need them.
+
+``BLOCK_PATCHES`` while any block runs (``p.data = q`` knows deferred tensors; matrix_rank's
+out= is written), ``READ_PATCHES`` while a block has written a plain tensor (Python-level reads
+of its memory write its pending contents back first).  The wrappers find the block's recorder
+on the dispatch stack by the type of its mode, which ``capture/mode.py`` registers here
+(``register_mode``): the recorder holds READ_PATCHES, and the mode sits above the recorder.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Optional
+
+import torch
+from torch._prims_common.wrappers import _maybe_resize_out
+
+from ..errors import FlushReason
+from . import flush
+from .dispatch_keys import PYTHON_KEY, no_dispatch
+from .opaque import opaque
+from .storage import STATES_BY_PTR, untyped_storage
+from .tensor import DeferredTensor
+
+# The TorchDispatchMode whose recorder the wrappers look for (DeferMode), set by capture/mode.py.
+_mode_type: Optional[type] = None
+
+
+def register_mode(mode_type: type) -> None:
+    """Say which dispatch mode's recorder ``recorder_on_stack`` finds (capture/mode.py's DeferMode)."""
+    global _mode_type
+    _mode_type = mode_type
+
+
+# Tensor methods that read a plain tensor's memory without going through aten dispatch.  A user
+# tensor written inside the context has its new contents pending; these must see them.
+PLAIN_READS: dict[str, FlushReason] = {
+    "tolist": FlushReason.TOLIST,
+    "numpy": FlushReason.NUMPY,
+    "__array__": FlushReason.NUMPY,
+    "__repr__": FlushReason.REPR,
+    "__format__": FlushReason.REPR,
+    "data_ptr": FlushReason.DATA_PTR,
+    "untyped_storage": FlushReason.DATA_PTR,
+    "__dlpack__": FlushReason.DATA_PTR,
+    "__reduce_ex__": FlushReason.SERIALIZE,
+    "__deepcopy__": FlushReason.SERIALIZE,
+}
+
+
+def recorder_on_stack() -> Any:
+    """The recorder of a DeferMode on this thread's dispatch stack: none inside our own
+    __torch_dispatch__ (which takes the mode off the stack) or no_dispatch() (which turns
+    Python dispatch off)."""
+    if torch._C._dispatch_tls_is_dispatch_key_excluded(PYTHON_KEY):
+        return None
+    for i in range(torch._C._len_torch_dispatch_stack() - 1, -1, -1):
+        mode = torch._C._get_dispatch_stack_at(i)
+        if type(mode) is _mode_type:
+            return mode.recorder
+    return None
+
+
+def write_back_before_read(t: Any, reason: FlushReason) -> None:
+    if not isinstance(t, torch.Tensor) or isinstance(t, DeferredTensor) or opaque(t):
+        return
+    recorder = recorder_on_stack()
+    if recorder is None:
+        return
+    state = STATES_BY_PTR.get(untyped_storage(t).data_ptr())
+    if state is not None and state.contents is not None:
+        with no_dispatch():
+            flush.materialize_states([state], reason, recorder)
+
+
+def _reading(original, reason: FlushReason):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        write_back_before_read(self, reason)
+        return original(self, *args, **kwargs)
+    return method
+
+
+def _write_out_after(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    result = func(*args, **kwargs)
+    _maybe_resize_out(out, result.shape)
+    return out.copy_(result)
+
+
+def _out_written_after(original):
+    # torch.linalg.matrix_rank(..., out=): under any dispatch mode its C++ composite takes the
+    # tensor-subclass path, which rebinds the out tensor's handle to a new result instead of
+    # writing into it, so the caller's tensor kept its old contents.  Computed functionally
+    # here, then written into out= as torch's kernel writes it (sum_out: resized with its
+    # warning, cast).
+    @functools.wraps(original)
+    def function(*args, **kwargs):
+        if kwargs.get("out") is not None and recorder_on_stack() is not None:
+            return _write_out_after(original, args, kwargs)
+        return original(*args, **kwargs)
+    return function
+
+
+_TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def _data_property():
+    """``Tensor.data`` whose setter knows deferred tensors: ``p.data = q`` re-points ``p`` at
+    ``q``'s memory without an aten op, and a deferred tensor has no memory until computed."""
+    def get(self):
+        return _TENSOR_DATA.__get__(self)
+
+    def set_(self, value):
+        recorder = recorder_on_stack()
+        if recorder is not None:
+            if isinstance(self, DeferredTensor):
+                raise NotImplementedError(
+                    "deferfuse: assigning .data of a deferred tensor re-points it at other memory, which "
+                    "deferfuse does not support; call deferfuse.sync() first or run this code under "
+                    "deferfuse.strict()")
+            if isinstance(value, DeferredTensor):
+                # the value's memory, computed now (p.data = p.data - lr * p.grad)
+                (value,) = recorder.realize((value,), FlushReason.DATA_PTR)
+            recorder._forget_plain()
+        _TENSOR_DATA.__set__(self, value)
+    return property(get, set_, doc=_TENSOR_DATA.__doc__)
+
+
+class Patches:
+    """Wrappers put on torch's classes while they are needed, shared by every thread: the
+    first ``hold`` installs them, the last ``release`` restores torch's own attributes.  Other
+    threads, and our own code (inside __torch_dispatch__ or no_dispatch(), where no DeferMode is
+    on the dispatch stack), call through the wrappers to torch's methods after one check of the
+    stack.  Setting an attribute of torch.Tensor touches every subclass's type cache (~0.3 us
+    each warm, tens of microseconds right after a large kernel has emptied the caches), so each
+    set is installed only when a block needs it."""
+
+    def __init__(self, make) -> None:
+        self.make = make           # () -> [(owner, name, wrapper)], called at the first hold
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.saved: list[tuple[Any, str, Any]] = []   # (owner, name, its own attribute or None)
+        self.patches: Optional[list[tuple[Any, str, Any]]] = None
+
+    def hold(self) -> None:
+        with self.lock:
+            self.holders += 1
+            if self.holders > 1:
+                return
+            if self.patches is None:
+                self.patches = self.make()
+            for owner, name, patched in self.patches:
+                self.saved.append((owner, name, owner.__dict__.get(name)))
+                setattr(owner, name, patched)
+
+    def release(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders > 0:
+                return
+            for owner, name, own in reversed(self.saved):
+                if own is None:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, own)
+            self.saved.clear()
+
+
+# While a defer block runs: ``p.data = q`` must know deferred tensors (q's memory does not
+# exist yet), and torch.linalg.matrix_rank's out= must be written (under any dispatch mode its
+# C++ composite drops it).
+BLOCK_PATCHES = Patches(lambda: [
+    (torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)),
+    (torch.Tensor, "data", _data_property())])
+
+
+# While a block has written a plain tensor: the methods in PLAIN_READS write its pending
+# contents back before Python code reads its memory.  A block that only reads plain tensors
+# (their memory is current; its results are deferred tensors, which materialize themselves)
+# never installs them.
+READ_PATCHES = Patches(lambda: [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
+                                  for name, reason in PLAIN_READS.items()])

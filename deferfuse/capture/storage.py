@@ -1,0 +1,127 @@
+"""Storage bookkeeping: which StorageState stands for which memory, across blocks.
+
+Three stores live here, each with a small API for tests (``state_at``, ``remembered_plain``,
+``plain_keys``, ``buffer_keys``): the states of real memory by data pointer, the flat buffers
+over user tensors, and the plain-tensor cache (what ``Recorder._real`` worked out for a plain
+tensor).  Beside them: which memory is foreign, and what a block's exit or an unknown write
+drops from the states.  Nothing here imports the tensor subclass, so the flush can use it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from ..ir.graph import StorageState
+from ..ir.meta import TensorMeta
+
+# (torch's own method: our code's reads of storages skip the wrapper of READ_PATCHES)
+untyped_storage = torch._C.TensorBase.untyped_storage
+raw_data_ptr = torch._C.TensorBase.data_ptr   # (not the wrapper of patches.READ_PATCHES)
+
+# Storages with real memory, by data pointer, so every tensor over the same memory (a user
+# tensor, its views, a materialized deferred tensor) shares one StorageState.
+STATES_BY_PTR: "weakref.WeakValueDictionary[int, StorageState]" = weakref.WeakValueDictionary()
+
+# The flat buffer over a user tensor's storage, by id of the tensor that owns the view (the
+# tensor itself, or its base): (weak reference to it, data pointer, numel, dtype, buffer).  A
+# user storage gets a new StorageState in each defer context, but the same buffer object, so
+# the DLPack view of it made for one flush (interop's cache, keyed by the tensor) serves the
+# next ones: an optimizer's parameters are read by every step.  The buffer is a detached view,
+# which does not keep the owner alive; the entry goes when the owner does.
+BUFFERS: dict[int, tuple] = {}
+
+# id(plain tensor) -> (weak ref, StorageState, TensorMeta, data pointer, storage bytes): what
+# Recorder._real worked out for a plain tensor, kept across blocks (an optimizer step touches
+# the same 200 tensors in every block, ~15 us each to work out afresh) while the tensor lives.
+# Checked on every use against the tensor's memory and layout, which code we do not see can
+# change; changes we do see clear it (Recorder._forget_plain).  A block's exit drops what its
+# states cached from the graph (drop_reads), so an entry keeps no computed values alive.
+PLAIN: dict[int, tuple] = {}
+PLAIN_CACHE_SIZE = 4096   # plain tensors remembered before starting over
+
+
+def forget_dead_plain(key: int, dead: Any) -> None:
+    entry = PLAIN.get(key)
+    if entry is not None and entry[0] is dead:
+        del PLAIN[key]
+
+
+def drop_reads(states: Any) -> None:
+    """At a block's exit: what its storages cached from its graph (reads, graph inputs) goes,
+    so that storages remembered across blocks (PLAIN) keep no computed values alive; the next
+    block reads their memory afresh anyway.  Graph inputs still alive (another thread's
+    pending nodes may read them) stay listed for a write to snapshot."""
+    for s in states:
+        if s.contents is None:
+            s.reads = {}
+            s.leaf = None
+            if s.old_leaves:
+                s.old_leaves = [ref for ref in s.old_leaves if ref() is not None]
+
+
+def flat_buffer(t: torch.Tensor, ptr: int, numel: int) -> torch.Tensor:
+    owner = t._base if t._base is not None else t
+    key = id(owner)
+    hit = BUFFERS.get(key)
+    if hit is not None and hit[0]() is owner and hit[1] == ptr and hit[2] == numel and hit[3] is t.dtype \
+            and hit[4].device == t.device:
+        return hit[4]
+    buffer = t.detach().as_strided((numel,), (1,), 0)   # (detached: no autograd record)
+    if ptr:
+        BUFFERS[key] = (weakref.ref(owner, lambda _ref: BUFFERS.pop(key, None)), ptr, numel, t.dtype, buffer)
+    return buffer
+
+
+def flat_meta(state: StorageState) -> TensorMeta:
+    return TensorMeta((state.numel,), (1,), 0, state.dtype, state.device, state.numel)
+
+
+def foreign(storage: torch.UntypedStorage) -> bool:
+    """Whether a storage's memory is not torch's own, so that code we do not see may write it:
+    memory torch allocated itself is resizable, memory it was handed is not (``from_numpy``,
+    ``frombuffer``, DLPack imports, files mapped by ``torch.load(mmap=True)`` or
+    ``UntypedStorage.from_file``, and also the storages of ``torch.load`` without mmap); memory
+    shared with other processes (``share_memory_``, DataLoader workers' batches) is resizable
+    but theirs to write too.  ~0.1 us, asked once per storage state."""
+    return not storage.resizable() or storage.is_shared()
+
+
+def forget_all_reads() -> None:
+    """Memory we cannot name was written: every storage with no pending contents reads its
+    memory afresh (pending contents are the graph's, which the write did not touch)."""
+    for s in list(STATES_BY_PTR.values()):
+        if s.contents is None:
+            s.changed()
+
+
+def snapshot_old_leaves(s: StorageState) -> None:
+    """Pending nodes reading ``s.buffer`` through a graph input keep its current contents."""
+    for ref in s.old_leaves:
+        leaf = ref()
+        if leaf is not None and leaf.result is not None:
+            leaf.result = leaf.result.clone()
+
+
+# -- the stores' API (what tests ask of them) ----------------------------------------------------
+def state_at(ptr: int) -> StorageState:
+    """The state of the real memory at data pointer ``ptr`` (KeyError if there is none)."""
+    return STATES_BY_PTR[ptr]
+
+
+def remembered_plain(t: torch.Tensor) -> Optional[StorageState]:
+    """The state the plain-tensor cache holds for ``t``, or None if it holds none for it."""
+    entry = PLAIN.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def plain_keys() -> frozenset:
+    """The ids of the plain tensors the plain-tensor cache holds entries for, now."""
+    return frozenset(PLAIN)
+
+
+def buffer_keys() -> frozenset:
+    """The ids of the tensors whose flat buffers are remembered, now."""
+    return frozenset(BUFFERS)
