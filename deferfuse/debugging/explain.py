@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..exec import blocks, executables
+from ..exec import blocks
 from ..plan import records
 from ..stats import STATS
 
@@ -80,4 +80,6 @@ def stablehlo(group: int = 0, record_number: Optional[int] = None) -> str:
     g = record.groups[group]
     if g.signature is None:
         raise ValueError(f"group {group} of flush #{record.number} ran as {g.ran_as!r}, not as an XLA computation")
+    # (imported here: the executable cache is not needed, nor imported, until something compiles)
+    from ..exec import executables
     return executables.stablehlo_text(g.signature)
