@@ -32,7 +32,7 @@ os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
 import deferfuse
 from bench.workloads import adamw_spec
 from deferfuse.capture import flush
-from deferfuse.exec import interop, runtime
+from deferfuse.exec import executables, interop, runner
 
 
 def _faults() -> int:
@@ -64,8 +64,8 @@ class _Timer:
 def _instrumented(parts: dict[str, _Timer]):
     """Time interop's DLPack crossings, the executable (its call and the wait for its results)
     and the flush's write-back copies."""
-    to_jax, to_torch, lookup = interop.to_jax, interop.to_torch, runtime.lookup
-    block = runtime.jax.block_until_ready
+    to_jax, to_torch, lookup = interop.to_jax, interop.to_torch, executables.lookup
+    block = runner.jax.block_until_ready
     write_back = flush.write_back
     run = parts["run executable"]
 
@@ -73,19 +73,19 @@ def _instrumented(parts: dict[str, _Timer]):
         compiled = lookup(*args, **kwargs)
         if compiled is None:
             return None
-        timed = runtime._Compiled(run.wrap(compiled.executable), compiled.n_scalars, compiled.checks)
+        timed = executables.Compiled(run.wrap(compiled.executable), compiled.n_scalars, compiled.checks)
         timed.signature = compiled.signature
         return timed
     interop.to_jax = parts["import inputs (DLPack)"].wrap(to_jax)
     interop.to_torch = parts["export results (DLPack)"].wrap(to_torch)
-    runtime.lookup = timed_lookup
-    runtime.jax.block_until_ready = run.wrap(block)
+    executables.lookup = timed_lookup
+    runner.jax.block_until_ready = run.wrap(block)
     flush.write_back = parts["write-back copies"].wrap(write_back)
     try:
         yield
     finally:
-        interop.to_jax, interop.to_torch, runtime.lookup = to_jax, to_torch, lookup
-        runtime.jax.block_until_ready = block
+        interop.to_jax, interop.to_torch, executables.lookup = to_jax, to_torch, lookup
+        runner.jax.block_until_ready = block
         flush.write_back = write_back
 
 

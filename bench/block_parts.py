@@ -6,7 +6,7 @@
 Each round runs strict, the defer block and ``jax.jit`` of the same GELU-tanh chain in a seeded
 random order (what ran just before a candidate changes its time: bench/harness.py).  The block
 is timed in parts: entering it, recording its 8 ops, and leaving it (the flush), and inside the
-flush the XLA call (``runtime.execute_xla``: signature, executable lookup, DLPack crossings and
+flush the XLA call (``runner.execute_xla``: signature, executable lookup, DLPack crossings and
 the executable itself).  Medians in milliseconds.  For a lone op run at once, see
 bench.lone_op.
 """
@@ -27,7 +27,7 @@ os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
 import deferfuse
 from bench import workloads
 from bench.harness import print_medians
-from deferfuse.exec import runtime
+from deferfuse.exec import runner
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
                                      "block: record": [], "block: leave": [],
                                      "block: leave: XLA call": []}
     xla_seconds = [0.0]
-    execute_xla = runtime.execute_xla
+    execute_xla = runner.execute_xla
 
     def timed_execute_xla(*args, **kwargs):   # (the flush's frame, not the recording's)
         started = time.perf_counter()
@@ -67,7 +67,7 @@ def main() -> None:
         left = time.perf_counter()
         return out, (left - started, entered - started, recorded - entered, left - recorded, xla_seconds[0])
 
-    runtime.execute_xla = timed_execute_xla
+    runner.execute_xla = timed_execute_xla
     try:
         candidates = {"strict": lambda: workloads.gelu_tanh(x),
                       "jax.jit": lambda: jitted(x_jax).block_until_ready(), "block": block}
@@ -91,7 +91,7 @@ def main() -> None:
                     candidates[name]()
                     parts[name].append(time.perf_counter() - started)
     finally:
-        runtime.execute_xla = execute_xla
+        runner.execute_xla = execute_xla
     print_medians(f"GELU-tanh on 2^{options.log2_size} floats, {options.rounds} shuffled rounds "
                   "(medians, ms):", parts)
     stats = deferfuse.stats()

@@ -36,9 +36,9 @@ def probe(which: str) -> dict:
         trainer = JaxTrainer(model, batches)
     else:
         import deferfuse
-        from deferfuse.exec import runtime
+        from deferfuse.exec import runner
         trainer = TorchTrainer(model, batches, context=deferfuse.defer if which == "defer" else None)
-        execute_xla = runtime.execute_xla
+        execute_xla = runner.execute_xla
 
         def counted(*args, **kwargs):
             faults, started = _faults(), time.perf_counter()
@@ -47,7 +47,7 @@ def probe(which: str) -> dict:
             finally:
                 inside[0] += _faults() - faults
                 inside[1] += time.perf_counter() - started
-        runtime.execute_xla = counted
+        runner.execute_xla = counted
     for _ in range(12):
         trainer.step()
     time.sleep(1.0)   # (a background compile lands)

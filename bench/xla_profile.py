@@ -85,7 +85,7 @@ def defer_breakdown(steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
     kind, per step."""
     import jax
     import deferfuse
-    from deferfuse.exec import runtime
+    from deferfuse.exec import executables
     trainer = gpt.TorchTrainer(gpt.make_model(), gpt.make_batches())
 
     def step():
@@ -98,7 +98,7 @@ def defer_breakdown(steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
     with jax.profiler.trace(folder, create_perfetto_trace=True):
         for _ in range(steps):
             step()
-    hlo = max((c.executable.as_text() for c in runtime._EXECUTABLES.values()), key=len)
+    hlo = max((c.executable.as_text() for c in executables.snapshot()), key=len)
     shape_of = dict(re.findall(r"%(ynn_fusion[.\d]*) = (\S+) fusion\(", hlo))
     total: dict[str, float] = collections.Counter()
     count: dict[str, int] = collections.Counter()

@@ -336,11 +336,11 @@ def _run_call(lane: Lane, k: int) -> None:
 
 def _wait_for_compiles() -> float:
     """Seconds spent waiting for deferfuse's background compiles (0 when none is pending)."""
-    from deferfuse.exec import runtime
-    if not runtime.compiles_pending():
+    from deferfuse import engine
+    if not engine.compiles_pending():
         return 0.0
     start = time.perf_counter()
-    runtime.wait_for_compiles(COMPILE_TIMEOUT_S)
+    engine.wait_for_compiles(COMPILE_TIMEOUT_S)
     return time.perf_counter() - start
 
 

@@ -87,7 +87,7 @@ def run_in_process(ops: list, *, max_samples: Optional[int], sink=None, skip_key
                    progress: bool = False) -> list:
     from . import cases
     prepare()
-    from deferfuse.exec import runtime
+    from deferfuse import engine
     from deferfuse.capture import meta
     skip = set(skip_keys)
     results = []
@@ -112,7 +112,7 @@ def run_in_process(ops: list, *, max_samples: Optional[int], sink=None, skip_key
                       file=sys.stderr, flush=True)
         # Bound memory over thousands of OpInfos: compiled executables and meta entries of one
         # OpInfo are of no use to the next.
-        runtime.clear_cache()
+        engine.clear_cache()
         meta.clear_cache()
     return results
 

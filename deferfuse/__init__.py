@@ -22,7 +22,7 @@ from .capture.tensor import DeferredTensor, is_materialized
 from . import errors
 from .errors import DeferfuseError, FallbackReason, FlushReason, LoweringError, ModeError
 from .modes import EagerMode, debug, defer, get_mode, mode, set_mode, strict
-from .observe import explain, plan_dot, stablehlo
+from .debugging.explain import explain, plan_dot, stablehlo
 from .stats import STATS as _STATS
 
 __all__ = [

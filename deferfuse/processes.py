@@ -104,9 +104,9 @@ def _after_fork_in_child() -> None:
     _warned_defer_at_once = False
     from . import modes
     modes.reset_after_fork()
-    runtime = sys.modules.get("deferfuse.exec.runtime")
-    if runtime is not None:   # (not imported: nothing compiled, nothing to forget)
-        runtime.after_fork_in_child()
+    executables = sys.modules.get("deferfuse.exec.executables")
+    if executables is not None:   # (not imported: nothing compiled, nothing to forget)
+        executables.after_fork_in_child()
 
 
 def note_defer_at_once() -> None:

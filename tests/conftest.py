@@ -67,6 +67,6 @@ def _background_compiles_end_with_their_test():
     otherwise it lands in that test's ``deferfuse.stats()`` (a compile counted after its
     ``reset_stats()``), and what a test counts would depend on which tests ran before it."""
     yield
-    runtime = sys.modules.get("deferfuse.exec.runtime")
-    if runtime is not None and runtime.compiles_pending():
-        runtime.wait_for_compiles(timeout=300)
+    executables = sys.modules.get("deferfuse.exec.executables")
+    if executables is not None and executables.compiles_pending():
+        executables.wait_for_compiles(timeout=300)

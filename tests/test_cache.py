@@ -13,7 +13,6 @@ import deferfuse
 
 
 def test_new_signature_runs_eagerly_then_compiled():
-    from deferfuse.exec import runtime
     x = torch.randn(64)
     deferfuse.reset_stats()
     with deferfuse.config.override(always_compile=False, eager_first_runs=2, background_compile=False,
@@ -30,20 +29,20 @@ def test_new_signature_runs_eagerly_then_compiled():
 
 def test_one_off_graph_never_compiles_and_a_repeated_one_compiles_in_background():
     import time
-    from deferfuse.exec import runtime
+    from deferfuse.exec import executables
     x = torch.randn(128)
     deferfuse.reset_stats()
     with deferfuse.config.override(always_compile=False, eager_first_runs=1, background_compile=True,
                                    cache_dir=""):
         with deferfuse.defer():
             first = (x * 1.75 - 2).cos()
-        assert deferfuse.stats()["eager_replays"] == 1 and not runtime._COMPILING
+        assert deferfuse.stats()["eager_replays"] == 1 and not executables.compiles_pending()
         assert deferfuse.stats()["compiles"] == 0          # seen once: nothing compiled
         with deferfuse.defer():
             second = (x * 1.75 - 2).cos()                  # seen again: compiles off the path
         assert deferfuse.stats()["eager_replays"] == 2
         deadline = time.time() + 60
-        while runtime._COMPILING and time.time() < deadline:
+        while executables.compiles_pending() and time.time() < deadline:
             time.sleep(0.05)
         with deferfuse.defer():
             third = (x * 1.75 - 2).cos()
@@ -55,12 +54,12 @@ def test_one_off_graph_never_compiles_and_a_repeated_one_compiles_in_background(
 
 def test_engine_autotune_keeps_faster_eager_graphs_eager(monkeypatch):
     """A signature whose eager runs beat its XLA runs stays eager; results stay right."""
-    from deferfuse.exec import runtime
+    from deferfuse.exec import autotune
     x = torch.randn(32, 16)
     deferfuse.reset_stats()
     # make XLA look slow: every XLA run reports a long time
-    real = runtime._observe_xla_time
-    monkeypatch.setattr(runtime, "_observe_xla_time", lambda sig, seconds: real(sig, seconds + 10.0))
+    real = autotune.observe_xla_time
+    monkeypatch.setattr(autotune, "observe_xla_time", lambda sig, seconds: real(sig, seconds + 10.0))
     with deferfuse.config.override(always_compile=False, eager_first_runs=1, background_compile=False,
                                    cache_dir="", autotune_engine=True):
         results = []
@@ -76,14 +75,14 @@ def test_engine_autotune_keeps_faster_eager_graphs_eager(monkeypatch):
 
 def test_engine_autotune_hears_xla_again_after_a_while(monkeypatch):
     """A choice made from timings of a busy moment is not forever: a signature kept eager is
-    timed against XLA again every _RECHECK_EAGER runs, and goes back to XLA if XLA now wins."""
-    from deferfuse.exec import runtime
+    timed against XLA again every RECHECK_EAGER runs, and goes back to XLA if XLA now wins."""
+    from deferfuse.exec import autotune
     x = torch.randn(32, 16)
     deferfuse.reset_stats()
     penalty = {"seconds": 10.0}
-    real = runtime._observe_xla_time
-    monkeypatch.setattr(runtime, "_observe_xla_time", lambda sig, s: real(sig, s + penalty["seconds"]))
-    monkeypatch.setattr(runtime, "_RECHECK_EAGER", 4)
+    real = autotune.observe_xla_time
+    monkeypatch.setattr(autotune, "observe_xla_time", lambda sig, s: real(sig, s + penalty["seconds"]))
+    monkeypatch.setattr(autotune, "RECHECK_EAGER", 4)
     with deferfuse.config.override(always_compile=False, eager_first_runs=1, background_compile=False,
                                    cache_dir="", autotune_engine=True):
         def run(times):
@@ -162,8 +161,9 @@ def test_executables_in_memory_are_bounded_least_recently_used_first():
     of mappings (vm.max_map_count) and segfaulted.  The cache keeps executable_cache_size of
     them, dropping the least recently used; a hot signature stays, a dropped one still gives
     the right result when it comes back, and the process's mappings stop growing."""
-    from deferfuse.exec import runtime
-    runtime.clear_cache()
+    from deferfuse import engine
+    from deferfuse.exec import executables
+    engine.clear_cache()
 
     def run(n: int) -> torch.Tensor:
         x = torch.arange(n, dtype=torch.float32)
@@ -182,7 +182,7 @@ def test_executables_in_memory_are_bounded_least_recently_used_first():
         stats = deferfuse.stats()
         assert stats["compiles"] == 40, stats   # the hot graph compiled once, before
         assert stats["executables_evicted"] == 33   # 41 executables, 8 kept
-        assert len(runtime._EXECUTABLES) == 8
+        assert executables.size() == 8
         assert _maps() <= maps + 8   # (40 more compiles left the mappings where they were)
         torch.testing.assert_close(run(4), (torch.arange(4.0) * 0.5 + 2.0).tanh() * torch.arange(4.0))
         assert deferfuse.stats()["compiles"] == 41   # evicted, compiled again
@@ -192,12 +192,13 @@ def test_executables_in_memory_are_bounded_by_the_mappings_they_hold(monkeypatch
     """Found as a crash: the model zoo bench (bench/zoo.py) died of SIGSEGV after nine models
     ("LLVM compilation error: Cannot allocate memory"), with fewer executables than
     executable_cache_size: a model's executable holds hundreds of memory mappings (a Llama
-    training step ~1,450), not 7.  Past runtime.MAPPING_SHARE of the process's limit, the oldest
+    training step ~1,450), not 7.  Past executables.MAPPING_SHARE of the process's limit, the oldest
     executables go.  Here the limit is made small: 60 mappings above what the process holds."""
-    from deferfuse.exec import runtime
-    runtime.clear_cache()
+    from deferfuse import engine
+    from deferfuse.exec import executables
+    engine.clear_cache()
     budget = _maps() + 60
-    monkeypatch.setattr(runtime, "max_map_count", lambda: int(budget / runtime.MAPPING_SHARE) + 1)
+    monkeypatch.setattr(executables, "max_map_count", lambda: int(budget / executables.MAPPING_SHARE) + 1)
 
     def run(n: int) -> torch.Tensor:
         x = torch.arange(n, dtype=torch.float32)
@@ -211,7 +212,7 @@ def test_executables_in_memory_are_bounded_by_the_mappings_they_hold(monkeypatch
             torch.testing.assert_close(run(n), (torch.arange(float(n)) * 0.25 - 1.0).sin() * torch.arange(float(n)))
             assert _maps() <= budget + 20   # (one executable's worth above the budget at most)
         assert deferfuse.stats()["executables_evicted"] > 0
-        assert 0 < len(runtime._EXECUTABLES) < 40
+        assert 0 < executables.size() < 40
 
 
 def test_the_metadata_cache_is_bounded(monkeypatch):

@@ -1,5 +1,5 @@
 """order_compute: each matrix product and convolution of one XLA computation is tied to the
-previous one's result through its left-hand operand, in record order (exec/runtime.py).
+previous one's result through its left-hand operand, in record order (exec/program.py).
 Results stay strict's; the program shows the ties."""
 
 from __future__ import annotations
@@ -133,12 +133,12 @@ def test_a_training_step_matches_strict_with_ordering():
 
 def test_only_a_cpu_backend_gets_ties(monkeypatch):
     # (on a GPU or TPU XLA's runtime and layouts differ: the program is left as it was)
-    from deferfuse.exec import runtime
-    monkeypatch.setattr(runtime.jax, "default_backend", lambda: "gpu")
+    from deferfuse.exec import program as exec_program
+    monkeypatch.setattr(exec_program.jax, "default_backend", lambda: "gpu")
     args = _inputs()
     with config.override(always_compile=True, cache_dir=""):
         program = None
-        real_build = runtime.build
+        real_build = exec_program.build
 
         def spying_build(nodes, outputs):
             nonlocal program
@@ -146,7 +146,7 @@ def test_only_a_cpu_backend_gets_ties(monkeypatch):
             program = make_program
             return sig, make_program, leaves, scalars
 
-        monkeypatch.setattr(runtime, "build", spying_build)
+        monkeypatch.setattr(exec_program, "build", spying_build)
         _run(_two_layers, *args)
     assert program is not None
     assert all(step.ordered_by is None for step in program().steps)

@@ -320,7 +320,7 @@ def test_transformer_training(model, compiled_from, user_defaults):
 def test_a_background_compile_keeps_the_settings_of_the_block_that_queued_it(tmp_path, fresh):
     """config.override holds for its thread: the compile thread read the process-wide values
     instead, and saved the executable of a block run with another cache_dir (or none) there."""
-    from deferfuse.exec import runtime
+    from deferfuse import engine
     x = torch.randn(13, 7)
     deferfuse.reset_stats()
     with config.override(cache_dir=str(tmp_path), always_compile=False, eager_first_runs=1,
@@ -328,7 +328,7 @@ def test_a_background_compile_keeps_the_settings_of_the_block_that_queued_it(tmp
         for _ in range(2):   # a replay, then a replay while the compile thread compiles it
             with deferfuse.defer():
                 y = (x * 1.25).sin() + x
-        assert runtime.wait_for_compiles(600)
+        assert engine.wait_for_compiles(600)
     torch.testing.assert_close(y, (x * 1.25).sin() + x)
     assert deferfuse.stats()["background_compiles"] >= 1
     assert any(tmp_path.iterdir()), "the executable was not saved in the block's cache_dir"

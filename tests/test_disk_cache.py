@@ -23,7 +23,8 @@ import torch
 
 import deferfuse
 from deferfuse import config
-from deferfuse.exec import diskcache, runtime
+from deferfuse import engine
+from deferfuse.exec import diskcache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,19 +170,19 @@ def disk(tmp_path):
     """An empty cache folder, every flush compiled, no executable in memory, fresh disk cache
     state (counts, warnings given, folder sizes)."""
     folder = tmp_path / "cache"
-    runtime.clear_cache()
+    engine.clear_cache()
     diskcache.clear()
     deferfuse.reset_stats()
     with config.override(cache_dir=str(folder), always_compile=True):
         yield folder
-    runtime.clear_cache()
+    engine.clear_cache()
     diskcache.clear()
 
 
 def _graph(n: int) -> None:
     """Runs the graph of size ``n`` from nothing in memory (so from the disk, or compiled), and
     checks it against strict."""
-    runtime.clear_cache()
+    engine.clear_cache()
     x = torch.linspace(-2.0, 2.0, n)
     with deferfuse.defer():
         y = (x * 0.5 + 2.0).tanh() * x
@@ -363,7 +364,7 @@ def test_a_missing_folder_is_created(disk):
 def test_a_folder_that_cannot_be_created_turns_the_cache_off(tmp_path, caplog):
     blocker = tmp_path / "a file"
     blocker.write_text("not a folder")
-    runtime.clear_cache()
+    engine.clear_cache()
     diskcache.clear()
     deferfuse.reset_stats()
     try:
@@ -373,7 +374,7 @@ def test_a_folder_that_cannot_be_created_turns_the_cache_off(tmp_path, caplog):
                 assert diskcache.cache_dir() is None
                 _graph(80)
     finally:
-        runtime.clear_cache()
+        engine.clear_cache()
         diskcache.clear()
     stats = deferfuse.stats()
     assert stats["compiles"] == 2 and stats["disk_cache_errors"] == 1 and stats["disk_cache_writes"] == 0

@@ -317,7 +317,7 @@ def test_a_thread_outside_defer_reads_through_the_guard_untouched():
 def test_each_recorded_op_names_the_line_that_recorded_it():
     # the fast path (pure and in-place), torch's Python operator wrappers (``**`` and ``1 - t`` go
     # through torch/_tensor.py) and the general path each keep the user's line per node
-    from deferfuse import observe
+    from deferfuse.plan import records
     import inspect
     x, p = torch.randn(8), torch.randn(8)
     lines = {}
@@ -331,7 +331,7 @@ def test_each_recorded_op_names_the_line_that_recorded_it():
             v = torch.cumsum(w, 0)        # here + 5
         lines = {"mul.Tensor": here + 1, "pow.Tensor_Scalar": here + 3, "rsub.Scalar": here + 4,
                  "cumsum": here + 5}
-    group = observe._HISTORY[-1].groups[0]
+    group = records.latest().groups[0]
     found: dict = {}
     for op, source in zip(group.ops, group.sources):
         found.setdefault(op, set()).add(str(source))
@@ -351,3 +351,24 @@ def test_explain_gives_the_span_of_lines_in_line_order():
             names = {"x": x}
             exec(code, names)
     assert "recorded at padded.py:9 ... padded.py:10" in deferfuse.explain(last=1)
+
+
+def test_explain_prints_as_the_report_and_a_repl_shows_it(capsys):
+    # as torch._dynamo.explain's result: print() and a REPL's echo both give the report's
+    # lines, not one escaped string; it is still a str for code that searches or splits it
+    import sys
+    x = torch.randn(8)
+    for _ in range(3):   # past the first sightings, which run at once
+        with deferfuse.defer():
+            y = (x * 2.0).sin()
+        float(y.sum())
+    report = deferfuse.explain(last=1)
+    text = str(report)
+    assert isinstance(report, str) and text.startswith("flush #") and "\n" in text
+    assert repr(report) == text
+    assert "group 0" in report and report.splitlines() == text.splitlines()
+    capsys.readouterr()
+    print(report)
+    assert capsys.readouterr().out == text + "\n"
+    sys.displayhook(report)   # what the interactive interpreter calls on an expression's value
+    assert capsys.readouterr().out == text + "\n"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import deferfuse
-from deferfuse import observe
+from deferfuse.plan import records
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +18,7 @@ def _fresh():
 
 
 def _last_record():
-    return observe._HISTORY[-1]
+    return records.latest()
 
 
 def test_ten_op_pointwise_chain_is_one_computation_with_one_output():
@@ -49,7 +49,7 @@ def test_dead_intermediate_is_not_an_output():
         deferfuse.sync(c)
     # a is live, so it leaves the computation; b is dead and stays inside
     record = _last_record()
-    assert record.n_outputs == 2, observe.explain()
+    assert record.n_outputs == 2, deferfuse.explain()
 
 
 def test_matmul_between_chains_on_torch_engine_splits_in_three():
@@ -61,7 +61,7 @@ def test_matmul_between_chains_on_torch_engine_splits_in_three():
             deferfuse.sync(out)
     record = _last_record()
     engines = [g.engine for g in record.groups]
-    assert engines == ["xla", "torch", "xla"], observe.explain()
+    assert engines == ["xla", "torch", "xla"], deferfuse.explain()
     assert record.groups[1].reason == "runs on another engine"
     assert record.groups[1].bounds == ["compute-bound"]
     torch.testing.assert_close(out, ((a * 2 + 1) @ w) * 0.5 + 3)
@@ -75,7 +75,7 @@ def test_matmul_on_xla_fuses_with_neighbours():
             deferfuse.sync(out)
     (group,) = _last_record().groups
     # the one-group plan still classifies each op (explain() and the DOT dump show it)
-    assert group.bounds[group.ops.index("mm")] == "compute-bound", observe.explain()
+    assert group.bounds[group.ops.index("mm")] == "compute-bound", deferfuse.explain()
     assert group.bounds.count("memory-bound") == len(group.ops) - 1
 
 
@@ -164,7 +164,7 @@ def test_a_lone_op_runs_on_torch_and_never_compiles(program):
         torch.testing.assert_close(y, program(x, w, b), rtol=0, atol=0)
         record = _last_record()
         assert [(g.engine, g.reason) for g in record.groups] == [("torch", "one op, nothing to fuse")], \
-            observe.explain()
+            deferfuse.explain()
     assert deferfuse.stats()["compiles"] == 0 and deferfuse.stats()["executions"] == 0
 
 

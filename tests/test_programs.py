@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
 from deferfuse.capture import meta
-from deferfuse.exec import runtime
+from deferfuse import engine
 from program_gen import FAMILIES, OPS, programs
 from program_model import InputSpec, Lit, Program, Step, compiled, observe_value
 from user_defaults import forget_what_was_learned
@@ -406,7 +406,7 @@ def test_tiered_runs_go_through_every_tier() -> None:
     program = Program(inputs=(InputSpec((3, 5), torch.float32, "permuted", "uniform", 11),),
                       steps=(Step("sin", (0,), out=1), Step("mul_", (0, 1))))
     meta.clear_cache()
-    runtime.clear_cache()
+    engine.clear_cache()
     expected = execute(program)
     seen, runs = [], []
     for _ in range(3):

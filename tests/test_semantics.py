@@ -246,8 +246,8 @@ def test_broken_lowering_replays_eagerly_unless_always_compile(monkeypatch):
     monkeypatch.setitem(registry.LOWERINGS, aten.mul.Tensor, registry.Lowering(aten.mul.Tensor, broken, original.check))
     from deferfuse.capture import meta
     meta.clear_cache()
-    from deferfuse.exec import runtime
-    runtime.clear_cache()
+    from deferfuse import engine
+    engine.clear_cache()
     x = torch.arange(4.0)
     with deferfuse.config.override(always_compile=False, eager_first_runs=0):
         with deferfuse.defer():
@@ -259,7 +259,7 @@ def test_broken_lowering_replays_eagerly_unless_always_compile(monkeypatch):
             with deferfuse.defer():
                 y = x * 5 + 1
     meta.clear_cache()
-    runtime.clear_cache()
+    engine.clear_cache()
 
 
 def test_reshape_inside_decomposition_copies_when_it_must():
@@ -311,14 +311,14 @@ def test_a_value_error_at_the_flush_names_the_line_that_recorded_the_op(tier):
 
 
 def test_an_error_type_with_its_own_constructor_gets_the_line_as_a_note():
-    from deferfuse.exec.runtime import _naming_source
+    from deferfuse.exec.replay import naming_source
 
     class TwoArgumentError(RuntimeError):
         def __init__(self, what, where):
             super().__init__(f"{what} at {where}")
 
     original = TwoArgumentError("bad value", "kernel")
-    named = _naming_source(original, "user.py:3")
+    named = naming_source(original, "user.py:3")
     assert named is original and "recorded at user.py:3" in original.__notes__
-    plain = _naming_source(ValueError("bad value"), "user.py:4")
+    plain = naming_source(ValueError("bad value"), "user.py:4")
     assert type(plain) is ValueError and str(plain) == "bad value (recorded at user.py:4)"

@@ -10,7 +10,7 @@ at known calls, whatever this machine's load:
   metadata, sightings, lone places, executables and block places), so its ops run at once;
 - a graph recorded at call k replays eagerly; at call k + 1 it replays eagerly again while the
   background thread compiles it; from call k + 2 it runs compiled: ``calls`` waits for the
-  background thread after each call (``runtime.wait_for_compiles``);
+  background thread after each call (``engine.wait_for_compiles``);
 - the block tier (eager_blocks) times blocks on a fake clock on which every block takes one
   second, so that its choice never depends on this machine's load.  ``"measuring"``: as a new
   place does, the block runs deferred until its first steady run (nothing compiled, nothing
@@ -29,7 +29,8 @@ from typing import Iterator
 
 from deferfuse import config
 from deferfuse.capture import meta
-from deferfuse.exec import blocks, runtime
+from deferfuse import engine
+from deferfuse.exec import blocks
 
 COMPILE_TIMEOUT = 600.0   # seconds to wait for the background thread (a hung compile fails the test)
 
@@ -56,13 +57,13 @@ class UserDefaults:
         queued for compilation is compiled."""
         for call in range(1, n + 1):
             yield call
-            assert runtime.wait_for_compiles(COMPILE_TIMEOUT), "the background compile did not finish"
+            assert engine.wait_for_compiles(COMPILE_TIMEOUT), "the background compile did not finish"
 
 
 def forget_what_was_learned() -> None:
     """Start from a clean slate: every op unseen, every graph new, every block place unmeasured
     (after waiting for the background thread: an earlier compile must not land in the test)."""
-    runtime.wait_for_compiles(COMPILE_TIMEOUT)
+    engine.wait_for_compiles(COMPILE_TIMEOUT)
     meta.clear_cache()
-    runtime.clear_cache()
+    engine.clear_cache()
     blocks.forget()

@@ -14,12 +14,13 @@ from typing import Any, Optional
 
 import torch
 
+from .. import engine
 from ..debugging.source import user_source
 from ..errors import FlushReason
-from ..exec import runtime
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..stats import STATS
+from . import meta as meta_
 from .dispatch_keys import no_dispatch
 from .storage import STATES_BY_PTR, flat_meta, raw_data_ptr, snapshot_old_leaves, untyped_storage
 
@@ -35,7 +36,7 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
     if recorder is not None:
         states, snapshot, nodes = _widen(states, recorder, everything)
     STATS.flushes[reason.value] += 1
-    with no_dispatch(), runtime.profile_range("deferfuse.flush"):
+    with no_dispatch(), engine.profile_range("deferfuse.flush"):
         targets: list[Value] = []
         for s in states:
             if s.contents[0] == "root" and not _is_plain_root(s):
@@ -49,7 +50,7 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
         trigger = user_source() if recorder is None or recorder.record_source else None
         # (whether this flush computes a target's result: then the memory is its own to adopt)
         fresh_results = [v.result is None for v in targets]
-        computed = iter(runtime.execute(nodes, to_compute, reason.value, trigger) if to_compute else [])
+        computed = iter(engine.execute(nodes, to_compute, reason.value, trigger, on_lone=meta_.mark_lone) if to_compute else [])
         results = [(next(computed), True) if fresh else (v.result, False)
                    for v, fresh in zip(targets, fresh_results)]
         adopted: set[int] = set()

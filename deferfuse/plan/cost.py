@@ -1,7 +1,8 @@
 """The cost model: is a node memory-bound or compute-bound on this machine?
 
 A node's arithmetic intensity (FLOPs per byte it must move) is compared with the machine's
-balance point (peak FLOP rate / memory bandwidth, both settings).  Ops whose FLOPs grow faster
+balance point (peak FLOP rate / memory bandwidth, both settings, which the caller reads and
+passes in: nothing in ``plan/`` reads a setting).  Ops whose FLOPs grow faster
 than their operands (matrix products, convolutions) are the only ones that can be compute-bound;
 their FLOP counts are below.  Everything else moves each byte a small constant number of times.
 """
@@ -14,7 +15,6 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import config
 from ..ir import graph
 from ..ir.graph import Node
 
@@ -80,7 +80,7 @@ ORDER_MIN_FLOPS = 1 << 22
 def ordering_operand(node: Node) -> Optional[int]:
     """Where ``node`` is a matrix product or convolution big enough to spread over the cores,
     the index of the argument through which the computation orders it after the previous one
-    (``order_compute``, exec/runtime.py); else None.  Decided by shapes alone, which the
+    (``order_compute``, exec/program.py); else None.  Decided by shapes alone, which the
     computation's signature holds."""
     index = _LHS.get(node.op)
     if index is None or len(node.args) <= index or not isinstance(node.args[index], graph.Value) \
@@ -108,33 +108,34 @@ def flops(node: Node) -> Optional[float]:
     return estimate(node) if estimate is not None else None
 
 
-def bounds(nodes: list[Node]) -> dict[int, Bound]:
+def bounds(nodes: list[Node], balance: float) -> dict[int, Bound]:
     """Node id -> bound of each of ``nodes``.  Only ops with a FLOP count can be compute-bound,
     so the others (most of any graph) are not looked at one by one: this runs on every flush."""
     found = dict.fromkeys((n.id for n in nodes), Bound.MEMORY)
     counted = _FLOPS_BY_ID
     for n in nodes:
         if id(n.op) in counted:
-            found[n.id] = bound(n)
+            found[n.id] = bound(n, balance)
     return found
 
 
-def machine_balance() -> float:
+def machine_balance(peak_gflops: float, memory_bandwidth_gbs: float) -> float:
     """FLOPs the machine can do per byte it moves from memory."""
-    return config.get("peak_gflops") / config.get("memory_bandwidth_gbs")
+    return peak_gflops / memory_bandwidth_gbs
 
 
-def bound(node: Node) -> Bound:
+def bound(node: Node, balance: float) -> Bound:
+    """Whether ``node`` is compute-bound on a machine of ``balance`` (``machine_balance``)."""
     if isinstance(node.op, graph.InternalOp):
         return Bound.MEMORY
     work = flops(node)
     if work is None:
         return Bound.MEMORY
     moved = max(bytes_moved(node), 1)
-    return Bound.COMPUTE if work / moved >= machine_balance() else Bound.MEMORY
+    return Bound.COMPUTE if work / moved >= balance else Bound.MEMORY
 
 
-def estimated_seconds(node: Node) -> float:
+def estimated_seconds(node: Node, peak_gflops: float, memory_bandwidth_gbs: float) -> float:
     """Roofline time of a node run alone."""
     work = flops(node) or 0.0
-    return max(work / (config.get("peak_gflops") * 1e9), bytes_moved(node) / (config.get("memory_bandwidth_gbs") * 1e9))
+    return max(work / (peak_gflops * 1e9), bytes_moved(node) / (memory_bandwidth_gbs * 1e9))

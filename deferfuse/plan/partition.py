@@ -1,7 +1,8 @@
 """The fusion planner: partition a flushed subgraph into groups, each run as one computation.
 
 The policy is a set of pure predicates (``placement``, ``split_reason``) and the cost model in
-``cost.py``; ``partition`` is generic: it walks nodes in topological order and puts each node in
+``cost.py``, parametrized by a ``Policy`` that the caller builds from the settings and passes in
+(the planner reads no setting itself); ``partition`` is generic: it walks nodes in topological order and puts each node in
 the group of one of its producers when the policy allows it and the group stays convex (no path
 leaves the group and comes back), otherwise opens a new group and records why.  networkx holds
 the group graph, checks that it is acyclic, and gives the order to run the groups in.
@@ -13,7 +14,6 @@ import dataclasses
 import enum
 from typing import Optional
 
-from .. import config
 from ..ir import graph
 from ..ir.graph import Node, Value
 from . import cost
@@ -51,13 +51,24 @@ class Plan:
     bounds: dict[int, cost.Bound]  # node id -> memory/compute bound
 
 
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What the settings tell the partitioner, read once per flush where execution is decided
+    (the engine) and passed in."""
+    always_compile: bool       # every node on XLA, one group
+    compute_engine: str        # where compute-bound ops run: "xla" or "torch"
+    fusion_fuel: int           # fusions allowed before every node opens its own group; < 0: no limit
+    lone_op_on_torch: bool     # a one-op subgraph runs on torch's kernel
+    machine_balance: float     # FLOPs per byte moved (cost.machine_balance)
+
+
 # -- policy: pure predicates --------------------------------------------------------------------
-def placement(node: Node, bound: cost.Bound) -> Engine:
+def placement(node: Node, bound: cost.Bound, policy: Policy) -> Engine:
     """Where a node runs.  Compute-bound ops may run on torch's own kernels when the setting says
     torch's are faster on this machine; everything else is fused by XLA."""
-    if config.get("always_compile"):
+    if policy.always_compile:
         return Engine.XLA
-    if bound is cost.Bound.COMPUTE and config.get("compute_engine") == "torch":
+    if bound is cost.Bound.COMPUTE and policy.compute_engine == "torch":
         return Engine.TORCH
     return Engine.XLA
 
@@ -79,21 +90,21 @@ def split_reason(group: Group, engine: Engine) -> Optional[SplitReason]:
 
 
 # -- the generic partitioner --------------------------------------------------------------------
-def partition(nodes: list[Node], outputs: list[Value]) -> Plan:
-    if not config.get("always_compile") and config.get("lone_op_on_torch") and is_lone_op(nodes):
+def partition(nodes: list[Node], outputs: list[Value], policy: Policy) -> Plan:
+    if not policy.always_compile and policy.lone_op_on_torch and is_lone_op(nodes):
         group = Group(0, Engine.TORCH, list(nodes), SplitReason.LONE_OP, list(outputs))
-        return Plan([group], cost.bounds(nodes))
-    if config.get("always_compile") or (config.get("compute_engine") == "xla" and config.get("fusion_fuel") < 0):
+        return Plan([group], cost.bounds(nodes, policy.machine_balance))
+    if policy.always_compile or (policy.compute_engine == "xla" and policy.fusion_fuel < 0):
         # Every node is placed on XLA and may fuse with every other: one group, which is convex
         # by construction.  This is the common case, so it skips the walk.
         group = Group(0, Engine.XLA, list(nodes), SplitReason.FIRST, list(outputs))
-        return Plan([group], cost.bounds(nodes))
+        return Plan([group], cost.bounds(nodes, policy.machine_balance))
     group_of: dict[int, Group] = {}
     # transitive closure of group dependencies, to keep groups convex
     depends_on: dict[int, set[int]] = {}
     groups: list[Group] = []
     bounds: dict[int, cost.Bound] = {}
-    fuel = config.get("fusion_fuel")
+    fuel = policy.fusion_fuel
     fused = 0
 
     def open_group(node: Node, engine: Engine, reason: SplitReason) -> Group:
@@ -103,8 +114,8 @@ def partition(nodes: list[Node], outputs: list[Value]) -> Plan:
         return group
 
     for node in nodes:
-        bound = bounds[node.id] = cost.bound(node)
-        engine = placement(node, bound)
+        bound = bounds[node.id] = cost.bound(node, policy.machine_balance)
+        engine = placement(node, bound, policy)
         producers = []
         for v in node.input_values():
             g = group_of.get(v.node.id)

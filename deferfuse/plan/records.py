@@ -1,7 +1,9 @@
-"""What deferfuse did, in words and pictures: explain(), the DOT dump, StableHLO text.
+"""Plan records: what each flush planned and how each group ran, kept in a short history.
 
 Every flush leaves a FlushRecord: why it happened, the user line that triggered it, the groups
-the planner made, why each group was split from its neighbours, and how each ran.
+the planner made, why each group was split from its neighbours, and how each ran.  The engine
+writes them (``record_plan``, ``FlushRecord.ran``); ``debugging/explain.py`` reads them through
+``history``, ``latest`` and ``find``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ import itertools
 import logging
 from typing import Any, Optional
 
-from . import config
-from .stats import STATS
-from .ir import graph
+from ..ir import graph
 
 log = logging.getLogger("deferfuse")
 _flush_ids = itertools.count(1)
@@ -99,9 +99,11 @@ def _position(record: FlushRecord, group) -> int:
 _HISTORY: collections.deque[FlushRecord] = collections.deque(maxlen=16)
 
 
-def record_plan(plan, reason: str, trigger: Optional[str], n_outputs: int) -> FlushRecord:
-    if _HISTORY.maxlen != config.get("explain_history"):
-        globals()["_HISTORY"] = collections.deque(_HISTORY, maxlen=config.get("explain_history"))
+def record_plan(plan, reason: str, trigger: Optional[str], n_outputs: int, keep: int) -> FlushRecord:
+    """Record a flush's plan; the history keeps the latest ``keep`` (the explain_history
+    setting, read by the caller)."""
+    if _HISTORY.maxlen != keep:
+        globals()["_HISTORY"] = collections.deque(_HISTORY, maxlen=keep)
     groups = []
     for g in plan.groups:
         edges = [(v.node.id, n.id) for n in g.nodes for v in n.inputs if v.node.op is not graph.INPUT]
@@ -117,64 +119,18 @@ def record_plan(plan, reason: str, trigger: Optional[str], n_outputs: int) -> Fl
     return record
 
 
-def explain(last: Optional[int] = None) -> str:
-    """The recent flush plans in words: which ops fused into which group, why each split and each
-    flush happened, and the user line that triggered it."""
-    records = list(_HISTORY)
-    if last is not None:
-        records = records[-last:]
-    text = "\n".join(r.describe() for r in records) if records else "deferfuse: no flushes yet"
-    at_once = STATS.unseen_ops_run + STATS.lone_ops_run + STATS.host_scalar_ops_run
-    if at_once:
-        # (ops that never reached a graph: without this line a one-off script looks unfused)
-        text += (f"\n{at_once} op(s) ran at once on torch's kernels since the last reset_stats(): "
-                 f"{STATS.unseen_ops_run} seen for the first time at their place in the code "
-                 f"(eager_unseen_ops), {STATS.lone_ops_run} where their flushes were lone "
-                 f"(eager_lone_ops), {STATS.host_scalar_ops_run} on one-element CPU tensors "
-                 f"(host_scalars_at_once)")
-    from .exec.blocks import describe_all
-    blocks = describe_all()
-    if blocks:
-        text += "\n" + blocks
-    return text
+def history() -> list[FlushRecord]:
+    """The flushes still in the history, oldest first."""
+    return list(_HISTORY)
 
 
-def plan_dot(record_number: Optional[int] = None) -> str:
-    """Graphviz DOT of a flush plan (default: the latest), one cluster per fusion group."""
-    record = _find(record_number)
-    lines = [f'digraph "deferfuse_flush_{record.number}" {{', "  rankdir=TB;",
-             '  node [shape=box, fontname="monospace", fontsize=10];']
-    known: set[int] = set()
-    for g in record.groups:
-        lines.append(f"  subgraph cluster_{g.index} {{")
-        lines.append(f'    label="group {g.index} ({g.ran_as}): {g.reason}";')
-        lines.append('    style=rounded; color="#4477aa";')
-        for node_id, op, bound in zip(g.node_ids, g.ops, g.bounds):
-            fill = "#ffddaa" if bound == "compute-bound" else "#ddeeff"
-            lines.append(f'    n{node_id} [label="{op}", style=filled, fillcolor="{fill}"];')
-            known.add(node_id)
-        lines.append("  }")
-    for g in record.groups:
-        for producer, consumer in g.edges:
-            if producer not in known:
-                lines.append(f'  n{producer} [label="input", shape=ellipse];')
-                known.add(producer)
-            lines.append(f"  n{producer} -> n{consumer};")
-    lines.append("}")
-    return "\n".join(lines)
+def latest() -> FlushRecord:
+    """The latest flush's record (IndexError where there was none)."""
+    return _HISTORY[-1]
 
 
-def stablehlo(group: int = 0, record_number: Optional[int] = None) -> str:
-    """The StableHLO text of one XLA group of a flush plan (default: the latest flush)."""
-    record = _find(record_number)
-    g = record.groups[group]
-    if g.signature is None:
-        raise ValueError(f"group {group} of flush #{record.number} ran as {g.ran_as!r}, not as an XLA computation")
-    from .exec import runtime
-    return runtime.stablehlo_text(g.signature)
-
-
-def _find(record_number: Optional[int]) -> FlushRecord:
+def find(record_number: Optional[int]) -> FlushRecord:
+    """The record of flush ``record_number`` (None: the latest); ValueError where it is gone."""
     if not _HISTORY:
         raise ValueError("deferfuse: no flushes yet")
     if record_number is None:

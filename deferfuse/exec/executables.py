@@ -1,0 +1,283 @@
+"""The executable cache: compiled programs by signature, in memory, with a background compiler.
+
+``lookup`` answers whether a signature runs compiled this time: from memory, from the disk cache
+(``diskcache.py``), or compiled now; under tiered execution a new signature runs eagerly first and
+compiles on the background thread when it comes back.  ``clear``, ``size``, ``contains``,
+``snapshot``, ``compiles_pending`` and ``wait_for_compiles`` are the state API that tests and
+benchmarks use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import logging
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+from .. import config
+from ..ir.graph import Value
+from ..lower import dtypes as dtypes_
+from ..stats import STATS
+from . import autotune, backend, diskcache
+from .profiling import profile_range
+from .program import Program, leaf_avals
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+
+log = logging.getLogger("deferfuse")
+
+
+class Compiled:
+    """A compiled program: its executable, how many runtime scalars it takes, and its checks."""
+
+    __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower")
+
+    def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]],
+                 lowered: Any = None) -> None:
+        self.executable = executable
+        self.lowered = lowered
+        self.n_scalars = n_scalars
+        self.checks = checks
+        # the key it is stored under: later lookups with it match by identity, where an equal
+        # new Signature compares its whole key (about 1 ms for a 500-op AdamW step)
+        self.signature: Any = None
+        # for an executable loaded from the disk cache: lowers its program again, on demand
+        # (stablehlo()), so the StableHLO text is there without keeping the graph alive
+        self.relower: Optional[Callable[[], Any]] = None
+
+
+# Executables by signature, least recently used first.  Bounded twice: by count
+# (executable_cache_size), and by the memory mappings their JIT-compiled code holds.  Linux caps
+# a process's mappings (vm.max_map_count, 65530 by default); past it LLVM cannot map the code of
+# the next compile ("LLVM compilation error: Cannot allocate memory") and the process dies of
+# SIGSEGV.  A small program's executable holds ~7 mappings, but a model's many more: a Llama
+# training step's ~1,450, each generate() decoding step's ~200 (one per fused kernel, about), so
+# the zoo bench (bench/zoo.py) crashed after nine models with fewer than 512 executables.  When
+# the process holds more than MAPPING_SHARE of its limit after a store, the oldest executables go,
+# a quarter of the cache at a time, until it holds less.  An evicted signature that comes back is
+# loaded from the disk cache, or compiled again.
+_EXECUTABLES: "collections.OrderedDict[Any, Compiled]" = collections.OrderedDict()
+MAPPING_SHARE = 0.5
+
+
+def _store(sig: Any, compiled: Compiled) -> None:
+    _EXECUTABLES[sig] = compiled
+    limit = config.get("executable_cache_size")
+    while limit > 0 and len(_EXECUTABLES) > limit:
+        _evict_oldest()
+    budget = _mapping_budget()
+    while budget is not None and len(_EXECUTABLES) > 1 and _mappings_in_use() > budget:
+        for _ in range(max(1, len(_EXECUTABLES) // 4)):
+            _evict_oldest()
+
+
+def _evict_oldest() -> None:
+    evicted, _ = _EXECUTABLES.popitem(last=False)
+    autotune.forget(evicted)
+    STATS.executables_evicted += 1
+
+
+def max_map_count() -> Optional[int]:
+    """The kernel's cap on this process's memory mappings (None where there is no such file)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _mapping_budget() -> Optional[int]:
+    limit = max_map_count()
+    return None if limit is None else int(limit * MAPPING_SHARE)
+
+
+def _mappings_in_use() -> int:
+    """This process's memory mappings now (a line each in /proc/self/maps; ~1 ms for 16,000)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def x64():
+    """JAX with 64-bit types on, as torch's float64 and int64 need, while tracing and running."""
+    return jax.enable_x64(True)
+
+
+def lower_program(program: Program, input_avals: tuple, n_scalars: int) -> Any:
+    backend.prepare()
+    avals = [jax.ShapeDtypeStruct(shape, dtypes_.to_jax(dtype)) for shape, dtype in input_avals]
+    scalar_aval = jax.ShapeDtypeStruct((n_scalars,), jnp.float64)
+    with x64():
+        return jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
+
+
+def compile_program(program: Program, input_avals: tuple, n_scalars: int) -> Compiled:
+    with profile_range("deferfuse.compile"):
+        lowered = lower_program(program, input_avals, n_scalars)
+        with x64():
+            executable = lowered.compile()
+    STATS.compiles += 1
+    return Compiled(executable, n_scalars, list(program.checks), lowered)
+
+
+def stablehlo_text(signature: Any) -> str:
+    compiled = _EXECUTABLES.get(signature)
+    if compiled is None:
+        raise ValueError("that computation is no longer in the executable cache")
+    if compiled.lowered is None and compiled.relower is not None:
+        compiled.lowered = compiled.relower()
+    return compiled.lowered.as_text()
+
+
+_SEEN: dict[Any, int] = {}            # signature -> eager runs so far, while not compiled
+_COMPILING: set[Any] = set()          # signatures queued for background compilation
+_QUEUE: "queue.Queue[tuple]" = queue.Queue()
+_WORKER: Optional[threading.Thread] = None
+_COMPILED_ONE = threading.Condition()   # notified whenever the worker finishes a signature
+
+
+def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int) -> Compiled:
+    compiled = compile_program(program, avals, n_scalars)
+    compiled.signature = sig
+    _store(sig, compiled)
+    diskcache.save(sig, compiled.executable, n_scalars, compiled.checks)
+    return compiled
+
+
+def _background_worker() -> None:
+    while True:
+        item = _QUEUE.get()
+        if item is None:
+            return
+        sig, program, avals, n_scalars, settings = item
+        try:
+            with config.override(**settings):
+                _compile_and_store(sig, program, avals, n_scalars)
+            STATS.background_compiles += 1
+        except Exception as exc:  # noqa: BLE001 - the eager path keeps working
+            log.warning("deferfuse: background compilation failed; this graph keeps running eagerly: %s", exc)
+        finally:
+            with _COMPILED_ONE:
+                _COMPILING.discard(sig)
+                _COMPILED_ONE.notify_all()
+
+
+def compiles_pending() -> bool:
+    """Whether the background thread has signatures queued or compiling."""
+    return bool(_COMPILING)
+
+
+def wait_for_compiles(timeout: Optional[float] = None) -> bool:
+    """Wait until the background thread has compiled (or failed to compile) every signature
+    queued so far, so that the next run of each runs compiled: a test then knows at which call
+    a graph first runs compiled, whatever this machine's load.  False if ``timeout`` seconds
+    passed first."""
+    with _COMPILED_ONE:
+        return _COMPILED_ONE.wait_for(
+            lambda: not _COMPILING or _WORKER is None or not _WORKER.is_alive(), timeout)
+
+
+def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
+    global _WORKER
+    if sig in _COMPILING:
+        return
+    _COMPILING.add(sig)
+    if _WORKER is None or not _WORKER.is_alive():
+        _WORKER = threading.Thread(target=_background_worker, name="deferfuse-compile", daemon=True)
+        _WORKER.start()
+        atexit.register(_stop_worker)
+    # The program is built here: the graph it reads is released once this flush is done.  The
+    # settings go with it: config.override holds for one thread, and the compile, the executable
+    # cache and the disk cache must follow the block's (its cache_dir, say), not the process's.
+    settings = {name: config.get(name) for name in config.settings()}
+    _QUEUE.put((sig, make_program(), avals, n_scalars, settings))
+
+
+def _stop_worker() -> None:
+    """At exit: drop queued compiles and let the current one finish (killing a thread inside
+    XLA's compiler aborts the process)."""
+    worker = _WORKER
+    if worker is None or not worker.is_alive():
+        return
+    try:
+        while True:
+            _QUEUE.get_nowait()
+    except queue.Empty:
+        pass
+    _QUEUE.put(None)
+    worker.join()
+
+
+def after_fork_in_child() -> None:
+    """In a forked child: the compile thread did not survive the fork, and it may have held
+    the queue's lock; queued compiles are forgotten (deferfuse/processes.py).  The executables
+    stay: dropping them would run XLA's destructors here."""
+    global _QUEUE, _WORKER, _COMPILED_ONE
+    _QUEUE = queue.Queue()
+    _WORKER = None
+    _COMPILED_ONE = threading.Condition()
+    _COMPILING.clear()
+
+
+def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optional[Compiled]:
+    """The executable for ``sig``, or None when this run should replay eagerly instead
+    (tiered execution: a new signature runs eagerly while it compiles)."""
+    compiled = _EXECUTABLES.get(sig)
+    if compiled is not None:
+        STATS.cache_hits += 1
+        _EXECUTABLES.move_to_end(sig)
+        return compiled
+    eager_tier = not config.get("always_compile")
+    runs = _SEEN.get(sig, 0)
+    first_runs = config.get("eager_first_runs")
+    if eager_tier and runs < first_runs:
+        # a graph seen once may never come back (a one-off script): no compile yet, and no
+        # disk cache either (loading an executable means importing JAX, about a second)
+        STATS.cache_misses += 1
+        autotune.bounded(_SEEN)[sig] = runs + 1
+        return None
+    backend.prepare()   # (before JAX's backend is first used: loading, compiling)
+    loaded = diskcache.load(sig)
+    if loaded is not None:
+        compiled = Compiled(*loaded)
+        compiled.signature = sig
+        compiled.relower = functools.partial(lower_program, make_program(), leaf_avals(leaves), n_scalars)
+        _store(sig, compiled)
+        return compiled
+    STATS.cache_misses += 1
+    if eager_tier:
+        if config.get("background_compile") and first_runs > 0:
+            # it came back: compile it off the critical path, keep running eagerly meanwhile
+            _schedule(sig, make_program, leaf_avals(leaves), n_scalars)
+            _SEEN[sig] = runs + 1
+            return None
+    _SEEN.pop(sig, None)
+    return _compile_and_store(sig, make_program(), leaf_avals(leaves), n_scalars)
+
+
+def contains(sig: Any) -> bool:
+    """Whether an executable for ``sig`` is held in memory."""
+    return sig in _EXECUTABLES
+
+
+def size() -> int:
+    """How many executables are held in memory."""
+    return len(_EXECUTABLES)
+
+
+def snapshot() -> list[Compiled]:
+    """The executables held in memory, least recently used first."""
+    return list(_EXECUTABLES.values())
+
+
+def clear() -> None:
+    """Forget the executables held in memory and the eager runs counted toward compiling."""
+    _EXECUTABLES.clear()
+    _SEEN.clear()
