@@ -50,7 +50,8 @@ from ..debugging.source import forget_frames, user_line, user_line_from, user_so
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..ir.meta import TensorMeta
-from ..lower.registry import RuntimeScalar, get_lowering
+from ..lower.registry import RuntimeScalar
+from ..lower.table import get_lowering
 from ..stats import STATS
 from . import meta as meta_
 from .classify import OpKind, factory_options, functional_variant, op_info

@@ -26,7 +26,7 @@ from ..errors import LoweringError
 from ..ir import graph
 from ..ir.graph import Node, Value
 from ..lower import dtypes as dtypes_
-from ..lower.registry import _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
+from ..lower.registry import CHECK_COLLECTORS as _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
 from ..lower.views import internal_rule
 from ..plan import cost
 from ..stats import STATS
