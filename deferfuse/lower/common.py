@@ -6,7 +6,9 @@ names: families do ``from . import common`` and call ``common.through(...)``.
 - operands: reading operands as torch's CPU kernels read them (``through``, ``wide``), casts
   (``convert``, ``convert_any``), a division rounded once (``divide``), ``sigmoid``;
 - nn: accumulation types, dtype checks and the index maps that nn forward and backward rules share;
-- padding: torch's pad lists as per-dim (low, high) and pad-then-crop.
+- padding: torch's pad lists as per-dim (low, high) and pad-then-crop;
+- reductions: axes, element counts, accumulation dtypes and checks that the reduction,
+  normalization, order-statistics and segment families share.
 
 A helper used by one family stays private in it.
 """
@@ -14,7 +16,8 @@ A helper used by one family stays private in it.
 from __future__ import annotations
 
 import platform
-from typing import Optional
+import math
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -58,7 +61,7 @@ def probe(ctx):
 
 
 def check(ctx):
-    """The pointwise checker: decline complex and unsupported dtypes, else ``probe`` the CPU kernel."""
+    """The pointwise checker: decline complex and unsupported dtypes, else ``probe`` the kernel."""
     reason = dtype_reason(ctx)
     if reason is None:
         probe(ctx)
@@ -122,7 +125,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def convert(x, dt):
-    """``x`` cast to ``dt`` as torch's CPU kernels cast (x86's out-of-range float to int included)."""
+    """``x`` cast to ``dt`` as torch's CPU kernels cast (x86 out-of-range floats to ints too)."""
     x = jnp.asarray(x)
     dt = jnp.dtype(dt)
     if not (_X86 and is_float(x.dtype) and is_int(dt)):
@@ -259,3 +262,56 @@ def pad_then_crop(x, padding, mode: str):
     crop = tuple(slice(max(-lo, 0), size - max(-hi, 0))
                  for (lo, hi), size in zip(config, grown.shape))
     return grown[crop]
+
+
+# -- reductions ------------------------------------------------------------------------------------
+def acc_dtype(dtype) -> np.dtype:
+    """The dtype torch's CPU kernels accumulate ``dtype`` in."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype in _HALF_TYPES else dtype
+
+
+def axes(ndim: int, dim: Any, *, empty_means_all: bool = True) -> tuple[int, ...]:
+    """The axes a reduction over ``dim`` covers (``empty_means_all``: what an empty list means)."""
+    if dim is None:
+        return tuple(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    if len(dim) == 0:
+        return tuple(range(ndim)) if empty_means_all else ()
+    if ndim == 0:
+        return ()
+    return tuple(sorted({d % ndim for d in dim}))
+
+
+def count(shape: Sequence[int], axes: Sequence[int]) -> int:
+    """How many elements a reduction over ``axes`` of ``shape`` covers."""
+    return math.prod(shape[a] for a in axes)
+
+
+def arg(ctx: LoweringContext, name: str, default: Any = None) -> Any:
+    """An argument of the call by its schema name, whether passed by position or keyword."""
+    for i, a in enumerate(ctx.op._schema.arguments):
+        if a.name == name:
+            if not a.kwarg_only and i < len(ctx.args):
+                return ctx.args[i]
+            return ctx.kwargs.get(name, default)
+    raise KeyError(name)
+
+
+def _tensor_dtypes(ctx: LoweringContext) -> list[torch.dtype]:
+    return [t.dtype for t in ctx.tensor_args()]
+
+
+def real_only(ctx: LoweringContext) -> Optional[str]:
+    """Decline calls with complex inputs or outputs."""
+    if any(dt.is_complex for dt in _tensor_dtypes(ctx)) or any(o.dtype.is_complex for o in ctx.out):
+        return "complex dtypes are not lowered"
+    return None
+
+
+def max_with_identity(x, axes, keepdims):
+    """jnp.max with -inf as identity, so that zero-size reductions trace."""
+    # An explicit identity lets zero-size reductions trace; it never wins against real data
+    # (XLA's max propagates NaN).
+    return jnp.max(x, axis=axes, keepdims=keepdims, initial=-jnp.inf)

@@ -33,4 +33,5 @@ def _load_families() -> None:
     # Importing a family module registers its rules.  prims goes after pointwise: its twins
     # reuse the aten rules registered by then.
     from . import (attention, creation, fastpath, fft, grouped_mm, histogram, linalg, movement,  # noqa: F401
-                   nn, nn_backward, pointwise, activation, prims, reduction, rnn, special)
+                   nn, nn_backward, pointwise, activation, prims, reduction, normalization, order,
+                   segment, rnn, special)
