@@ -36,15 +36,8 @@ _lax = late(lax)
 
 aten = torch.ops.aten
 
-_REDUCED_FLOATS = _dtypes.HALF_TYPES
 
-
-# -- checkers --------------------------------------------------------------------------------------
-
-
-# -- dtype helpers ---------------------------------------------------------------------------------
-
-
+# -- dtype helpers (the shared ones are in common.py) ----------------------------------------------
 def _second_operand(common_dtype, y):
     # torch's CPU mul and div read a 0-d second operand (Python scalar or 0-dim tensor) at
     # computation precision; add, sub, remainder and comparisons round it to the common dtype

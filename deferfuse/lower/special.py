@@ -40,7 +40,6 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-
 # -- helpers ---------------------------------------------------------------------------------------
 def _operands(ctx, x, n):
     """x and n in torch's computation dtype, broadcast; n truncated to int64 as C++ does."""
