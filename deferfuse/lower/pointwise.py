@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from . import common
-from . import dtypes as _dtypes
 from . import xla_fixes
 from .registry import lowering, runtime_check
 from .._lazy import late, lazy_import
