@@ -1,5 +1,5 @@
-"""Activation functions and the backward ops autograd emits for them (part of the pointwise family,
-imported by pointwise.py).
+"""Activation functions and the backward ops autograd emits for them (part of the pointwise family;
+its operand helpers are in common.py).
 
 Formulas follow torch's CPU kernels term by term, computed in float32 for float16/bfloat16 as
 torch does.  Scalar parameters (slopes, thresholds, alpha) may be traced runtime values, so
