@@ -15,8 +15,8 @@ A helper used by one family stays private in it.
 
 from __future__ import annotations
 
-import platform
 import math
+import platform
 from typing import Any, Optional, Sequence
 
 import numpy as np
