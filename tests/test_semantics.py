@@ -236,9 +236,9 @@ def test_plain_writes_between_contexts_are_seen():
 
 
 def test_broken_lowering_replays_eagerly_unless_always_compile(monkeypatch):
-    from deferfuse.lower import registry
+    from deferfuse.lower import registry, table
     aten = torch.ops.aten
-    original = registry.get_lowering(aten.mul.Tensor)
+    original = table.get_lowering(aten.mul.Tensor)
 
     def broken(ctx, *args, **kwargs):
         raise ValueError("simulated lowering bug")

@@ -17,7 +17,7 @@ import torch
 from ..debugging.source import user_line_from
 from ..errors import FallbackReason, FlushReason
 from ..ir import graph
-from ..lower.registry import get_lowering
+from ..lower.table import get_lowering
 from ..stats import STATS
 from . import flush
 from . import meta as meta_

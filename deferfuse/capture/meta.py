@@ -23,7 +23,8 @@ import torch
 
 from ..ir.meta import TensorMeta
 from ..lower import dtypes as _dtypes
-from ..lower.registry import Lowering, LoweringContext, RuntimeScalar, get_lowering, get_shape_rule
+from ..lower.registry import Lowering, LoweringContext, RuntimeScalar
+from ..lower.table import get_lowering, get_shape_rule
 from ..stats import STATS
 from .dynamo_free import no_dynamo_import
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..lower.registry import get_lowering
+from ..lower.table import get_lowering
 from .classify import OpKind, functional_variant, op_info
 from .unroll import DECOMPOSITIONS, unroll_foreach
 

@@ -21,7 +21,7 @@ from ..errors import LoweringError
 from ..ir import graph
 from ..ir.graph import Node, Value
 from ..lower import dtypes as dtypes_
-from ..lower.registry import _CHECK_COLLECTORS, CheckCollector, RuntimeScalar
+from ..lower.registry import CHECK_COLLECTORS, CheckCollector, RuntimeScalar
 from ..lower.views import internal_rule
 from ..plan import cost
 from .._lazy import lazy_import
@@ -112,7 +112,7 @@ class Program:
         for position, step in enumerate(self.steps):
             consumer = step.op
             collector = CheckCollector(step.op)
-            _CHECK_COLLECTORS.append(collector)
+            CHECK_COLLECTORS.append(collector)
             try:
                 args = resolve(step.args)
                 if step.ordered_by is not None and last_ordered is not None:
@@ -121,7 +121,7 @@ class Program:
             except Exception as exc:
                 raise LoweringError(f"lowering {step.op} failed{source_suffix(step.source)}: {type(exc).__name__}: {exc}") from exc
             finally:
-                _CHECK_COLLECTORS.pop()
+                CHECK_COLLECTORS.pop()
             for flag, error, message, value in collector.items:
                 flags.append(flag)
                 values.append(jnp.int64(0) if value is None else value)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from . import dtypes as _dtypes
-from . import reduction, xla_fixes
+from . import normalization, xla_fixes
 from .registry import LoweringContext, lowering, replay_on_cpu
 from .._lazy import lazy_import
 
@@ -355,7 +355,7 @@ def safe_softmax(ctx, x, dim, dtype=None):
     """softmax, with 0 (not NaN) for a row that is all -inf."""
     if dtype is not None:
         x = x.astype(_dtypes.to_jax(dtype))
-    out = reduction.softmax(ctx, x, dim, False)
+    out = normalization.softmax(ctx, x, dim, False)
     axes = (dim % x.ndim,) if x.ndim else ()
     fully_masked = jnp.all(x == -jnp.inf, axis=axes, keepdims=True)
     return jnp.where(fully_masked, jnp.zeros((), out.dtype), out)

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import common
 from . import dtypes as _dtypes
-from .linalg import raise_like_cpu
 from .registry import LoweringContext, lowering, runtime_check
 from .._lazy import lazy_import
 
@@ -235,7 +235,7 @@ def _arange(ctx: LoweringContext, start, step):
 
 def _check_range(ctx: LoweringContext) -> Optional[str]:
     if ctx.out[0].dtype == torch.bool:
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     return _check_real(ctx)
 
 

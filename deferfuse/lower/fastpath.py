@@ -53,7 +53,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import activation, reduction, xla_fixes
+from . import activation, normalization, xla_fixes
 from .registry import LoweringContext, lowering, replay_on_cpu
 from .._lazy import lazy_import
 
@@ -226,7 +226,7 @@ def transformer_encoder_layer_fwd(ctx, src, embed_dim, num_heads, qkv_weight, qk
         return src
 
     def norm(x, weight, bias):
-        return reduction.native_layer_norm(ctx, x, (embed_dim,), weight, bias, eps)[0]
+        return normalization.native_layer_norm(ctx, x, (embed_dim,), weight, bias, eps)[0]
 
     x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
     x = src + _attention(x, x, x, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask,

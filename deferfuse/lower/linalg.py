@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import common
 from . import dtypes as _dtypes
 from ..ir.meta import TensorMeta
 from . import xla_fixes
@@ -65,17 +66,13 @@ _MATMUL_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, t
 
 # -- checks --------------------------------------------------------------------------------------
 
-def raise_like_cpu(ctx: LoweringContext) -> str:
-    """Let torch's CPU kernel raise its own exception for this call (see registry.replay_on_cpu)."""
-    return replay_on_cpu(ctx)
-
 
 def _check_matmul(ctx: LoweringContext) -> Optional[str]:
     dtypes = {t.dtype for t in ctx.tensor_args()}
     if any(dt.is_complex for dt in dtypes):
         return "complex matmul is not lowered"
     if len(dtypes) != 1 or not dtypes <= _MATMUL_DTYPES:
-        return raise_like_cpu(ctx)   # e.g. "expected m1 and m2 to have the same dtype"
+        return common.raise_like_cpu(ctx)   # e.g. "expected m1 and m2 to have the same dtype"
     return None
 
 
@@ -186,7 +183,7 @@ def _check_trilinear(ctx: LoweringContext) -> Optional[str]:
     if any(dt.is_complex for dt in dtypes) or dtypes & {torch.bool}:
         return "complex and bool _trilinear are not lowered"
     if len(dtypes) != 1:
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     return None
 
 
@@ -231,7 +228,7 @@ def _check_linalg(ctx: LoweringContext) -> Optional[str]:
         return "complex linalg is not lowered"
     floats = [t for t in metas if t.dtype.is_floating_point]
     if not floats or not {t.dtype for t in floats} <= _LINALG_DTYPES:
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     if any(0 in t.shape for t in metas) and not _all_empty(ctx):
         return "an empty operand with non-empty ones is not lowered"
     if ctx.kwargs.get("check_errors"):
@@ -420,7 +417,7 @@ def _check_pinv(ctx: LoweringContext) -> Optional[str]:
     for name in ("atol", "rtol"):
         t = _tol_tensor(ctx, name)
         if t is not None and (t.dtype.is_complex or not t.dtype.is_floating_point):
-            return raise_like_cpu(ctx) if t.dtype.is_complex else "a non-float tolerance is not lowered"
+            return common.raise_like_cpu(ctx) if t.dtype.is_complex else "a non-float tolerance is not lowered"
     return _check_linalg(ctx)
 
 
@@ -595,7 +592,7 @@ def _check_lu_unpack(ctx: LoweringContext) -> Optional[str]:
     if data.dtype not in _LINALG_DTYPES:
         return "lu_unpack of non-float data is not lowered"
     if pivots.dtype != torch.int32:
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     if any(0 in t.shape for t in ctx.tensor_args()) and not _all_empty(ctx):
         return "an empty operand with non-empty ones is not lowered"
     return None
@@ -664,12 +661,10 @@ def _cpu_check(ctx: LoweringContext) -> Optional[str]:
     return None
 
 
-
-
 def _check_linalg_lu(ctx: LoweringContext) -> Optional[str]:
     if ctx.kwargs.get("pivot", True) is False:
         # torch: "linalg.lu_factor: LU without pivoting is not implemented on the CPU"
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     return _check_linalg(ctx)
 
 

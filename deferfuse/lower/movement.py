@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.meta import TensorMeta
+from . import common
 from . import views as _views
 from .registry import bounds_check, lowering, replay_on_cpu, runtime_check
 from .._lazy import lazy_import
@@ -92,27 +93,11 @@ def stack(ctx, tensors, dim=0):
     return jnp.stack([t.astype(ctx.out_dtype) for t in tensors], axis=_dim(dim, len(ctx.out_shape)))
 
 
-def _pad_config(ndim: int, pad) -> list[tuple[int, int]]:
-    """torch's pad list (last dim first, (low, high) pairs) as per-dim (low, high)."""
-    config = [(0, 0)] * ndim
-    for i in range(len(pad) // 2):
-        config[ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1])
-    return config
-
-
 @lowering(aten.constant_pad_nd.default)
 def constant_pad_nd(ctx, x, pad, value=0):
     # lax.pad crops on negative padding, as torch does.
-    config = [(lo, hi, 0) for lo, hi in _pad_config(x.ndim, pad)]
+    config = [(lo, hi, 0) for lo, hi in common.pad_config(x.ndim, pad)]
     return lax.pad(x, _fill(value, x.dtype), config)
-
-
-def _pad_then_crop(x, padding, mode: str):
-    config = _pad_config(x.ndim, padding)
-    grown = jnp.pad(x, [(max(lo, 0), max(hi, 0)) for lo, hi in config], mode=mode)
-    crop = tuple(slice(max(-lo, 0), size - max(-hi, 0))
-                 for (lo, hi), size in zip(config, grown.shape))
-    return grown[crop]
 
 
 def _check_not_bool(ctx):
@@ -129,13 +114,13 @@ def _check_not_bool(ctx):
 def reflection_pad(ctx, x, padding):
     # A negative pad crops after reflecting about the original edges; padding first and cropping
     # afterwards keeps those edges.
-    return _pad_then_crop(x, padding, "reflect")
+    return common.pad_then_crop(x, padding, "reflect")
 
 
 @lowering(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default,
           check=_check_not_bool)
 def replication_pad(ctx, x, padding):
-    return _pad_then_crop(x, padding, "edge")
+    return common.pad_then_crop(x, padding, "edge")
 
 
 # -- reordering --------------------------------------------------------------------------------

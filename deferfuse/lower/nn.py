@@ -23,8 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import dtypes as _dtypes
-from .linalg import raise_like_cpu
+from . import common
 from . import xla_fixes
 from .registry import bounds_check, LoweringContext, lowering, runtime_check
 from .._lazy import lazy_import
@@ -36,19 +35,7 @@ lax = lazy_import("jax.lax", globals(), "lax")
 aten = torch.ops.aten
 
 _HIGHEST = "highest"
-_HALF_TYPES = _dtypes.HALF_TYPES
-_F32 = np.dtype(np.float32)
-_I64 = np.dtype(np.int64)
 _MEAN, _SUM = 1, 2   # at::Reduction (0 is none)
-
-
-def _acc(x):
-    """``x`` in the type torch's CPU kernels compute in: float32 for half types, int64 for ints."""
-    if x.dtype in _HALF_TYPES:
-        return x.astype(_F32)
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        return x.astype(_I64)
-    return x
 
 
 def _tuple(value, n: int) -> tuple[int, ...]:
@@ -65,18 +52,6 @@ def _reduce(loss, reduction: int):
     return loss
 
 
-def _check_dtypes(ctx: LoweringContext, tensors, *, floating: bool) -> Optional[str]:
-    """Decline complex; replay calls the CPU kernels reject (mixed or bool dtypes, and integers
-    where ``floating``) so that torch raises its own exception."""
-    dtypes = {t.dtype for t in tensors if t is not None}
-    if any(dt.is_complex for dt in dtypes):
-        return "complex dtypes are not lowered"
-    integral = not all(dt.is_floating_point for dt in dtypes)
-    if len(dtypes) > 1 or torch.bool in dtypes or (floating and integral):
-        return raise_like_cpu(ctx)
-    return None
-
-
 # -- convolution ---------------------------------------------------------------------------------
 
 def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
@@ -84,7 +59,7 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
     spatial = "DHW"[3 - nd:]   # the checkers admit 1 to 3 spatial dims
     dims = ("NC" + spatial, "OI" + spatial, "NC" + spatial)
-    acc = _acc(x).dtype
+    acc = common.acc(x).dtype
     x, w = x.astype(acc), w.astype(acc)
     if not transposed:
         return lax.conv_general_dilated(
@@ -109,31 +84,31 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
 def _check_conv(ctx: LoweringContext) -> Optional[str]:
     if not 1 <= len(ctx.args[0].shape) - 2 <= 3:
         return "only 1d, 2d and 3d convolutions are lowered"
-    return _check_dtypes(ctx, ctx.args[:3], floating=False)
+    return common.check_dtypes(ctx, ctx.args[:3], floating=False)
 
 
 @lowering(aten.convolution.default, check=_check_conv)
 def convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     out = _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
-        out = out + _acc(bias).reshape((1, -1) + (1,) * (out.ndim - 2))
+        out = out + common.acc(bias).reshape((1, -1) + (1,) * (out.ndim - 2))
     return out
 
 
 def _check_conv_backward(ctx: LoweringContext) -> Optional[str]:
     if not 1 <= len(ctx.args[1].shape) - 2 <= 3:
         return "only 1d, 2d and 3d convolutions are lowered"
-    return _check_dtypes(ctx, ctx.args[:3], floating=True)
+    return common.check_dtypes(ctx, ctx.args[:3], floating=True)
 
 
 @lowering(aten.convolution_backward.default, check=_check_conv_backward)
 def convolution_backward(ctx, grad_output, x, w, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):
-    g = _acc(grad_output)
+    g = common.acc(grad_output)
 
     def forward(x, w):
         return _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
-    _, vjp = jax.vjp(forward, _acc(x), _acc(w))
+    _, vjp = jax.vjp(forward, common.acc(x), common.acc(w))
     grad_input, grad_weight = vjp(g)
     grad_bias = g.sum(axis=(0,) + tuple(range(2, g.ndim)))
     # outputs torch leaves undefined (output_mask False) are absent from ctx.out
@@ -156,13 +131,13 @@ def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sp
 
 
 def _check_embedding_backward(ctx: LoweringContext) -> Optional[str]:
-    return _check_dtypes(ctx, ctx.args[:1], floating=True)
+    return common.check_dtypes(ctx, ctx.args[:1], floating=True)
 
 
 @lowering(aten.embedding_dense_backward.default, check=_check_embedding_backward)
 def embedding_dense_backward(ctx, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     dim = grad_output.shape[-1]
-    g = _acc(grad_output).reshape(-1, dim)
+    g = common.acc(grad_output).reshape(-1, dim)
     idx = indices.reshape(-1)
     keep = idx != padding_idx
     if scale_grad_by_freq:
@@ -179,7 +154,7 @@ def _check_nll(ctx: LoweringContext) -> Optional[str]:
     x, target = ctx.args[1:3] if backward else ctx.args[0:2]
     # the meta kernels accept int32 targets and integer inputs; the CPU kernels do not
     if not x.dtype.is_floating_point or target.dtype not in (torch.int64, torch.uint8):
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     return None
 
 
@@ -187,15 +162,15 @@ def _target_weights(x, target, weight, ignore_index):
     """(per-target weights with ignored targets at 0, ignored mask, targets safe to gather)."""
     ignored = target == ignore_index
     safe = jnp.where(ignored, 0, target)
-    acc = _acc(x).dtype
-    w = jnp.ones(target.shape, acc) if weight is None else _acc(weight)[safe]
+    acc = common.acc(x).dtype
+    w = jnp.ones(target.shape, acc) if weight is None else common.acc(weight)[safe]
     return jnp.where(ignored, jnp.zeros((), acc), w), ignored, safe
 
 
 def _nll_forward(x, target, weight, reduction, ignore_index):
     class_axis = 0 if x.ndim == 1 else 1
     w, ignored, safe = _target_weights(x, target, weight, ignore_index)
-    picked = jnp.take_along_axis(_acc(x), jnp.expand_dims(safe, class_axis), axis=class_axis,
+    picked = jnp.take_along_axis(common.acc(x), jnp.expand_dims(safe, class_axis), axis=class_axis,
                                  mode="fill")
     picked = jnp.squeeze(picked, class_axis)
     # where, not a multiplication by 0: an ignored target's NaN input must not leak in
@@ -210,9 +185,9 @@ def _nll_forward(x, target, weight, reduction, ignore_index):
 def _nll_backward(grad_output, x, target, weight, reduction, ignore_index, total_weight):
     class_axis = 0 if x.ndim == 1 else 1
     w, ignored, safe = _target_weights(x, target, weight, ignore_index)
-    g = _acc(grad_output)
+    g = common.acc(grad_output)
     if reduction == _MEAN:
-        g = g / _acc(total_weight)
+        g = g / common.acc(total_weight)
     per_target = jnp.where(ignored, jnp.zeros((), w.dtype), w * -g)
     classes = lax.broadcasted_iota(jnp.int64, x.shape, class_axis)
     hit = classes == jnp.expand_dims(safe, class_axis)
@@ -266,7 +241,7 @@ def _check_pool(ctx: LoweringContext) -> Optional[str]:
                   aten.avg_pool2d.default: x.dtype == torch.int64,
                   aten.avg_pool3d.default: x.dtype == torch.int64}.get(ctx.op, False)
     if x.dtype == torch.bool or not (x.dtype.is_floating_point or integer_ok):
-        return raise_like_cpu(ctx)   # e.g. "avg_pool2d" not implemented for 'Byte'
+        return common.raise_like_cpu(ctx)   # e.g. "avg_pool2d" not implemented for 'Byte'
     return None
 
 
@@ -307,7 +282,7 @@ def max_pool2d_with_indices_backward(ctx, grad_output, x, kernel_size, stride, p
     h, w = x.shape[-2:]
     lead = x.shape[:-2]
     planes = math.prod(lead)
-    g = _acc(grad_output).reshape(planes, -1)
+    g = common.acc(grad_output).reshape(planes, -1)
     idx = indices.reshape(planes, -1)
     rows = jnp.arange(planes)[:, None]
     grad = jnp.zeros((planes, h * w), g.dtype).at[rows, idx].add(g, mode="drop")
@@ -333,7 +308,7 @@ def _avg_pool(x, out_sizes, kernel_size, stride, padding, ceil_mode, count_inclu
               divisor_override):
     nd = len(out_sizes)
     kernel, stride, pad, _ = _pool_params(kernel_size, stride, padding, nd=nd)
-    taps = _padded_taps(_acc(x), kernel, stride, pad, (1,) * nd, out_sizes, 0)
+    taps = _padded_taps(common.acc(x), kernel, stride, pad, (1,) * nd, out_sizes, 0)
     total = taps[0]
     for t in taps[1:]:
         total = total + t
@@ -356,34 +331,22 @@ def avg_pool(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_i
 def avg_pool_backward(ctx, grad_output, x, kernel_size, stride, padding, ceil_mode,
                       count_include_pad, divisor_override):
     nd = 3 if ctx.op is aten.avg_pool3d_backward.default else 2
-    g = _acc(grad_output)
+    g = common.acc(grad_output)
 
     def forward(x):
         return _avg_pool(x, g.shape[-nd:], kernel_size, stride, padding, ceil_mode,
                          count_include_pad, divisor_override)
-    return jax.vjp(forward, _acc(x))[1](g)[0]
-
-
-def _adaptive_windows(in_size: int, out_size: int):
-    """(gather indices (out, longest window), mask of real taps, window lengths) of adaptive
-    pooling: window o covers [floor(o * in / out), ceil((o + 1) * in / out))."""
-    o = np.arange(out_size)
-    start = (o * in_size) // out_size
-    end = -((-(o + 1) * in_size) // out_size)
-    longest = int((end - start).max()) if out_size else 0
-    taps = start[:, None] + np.arange(longest)[None, :]
-    inside = taps < end[:, None]
-    return np.minimum(taps, in_size - 1), inside, end - start
+    return jax.vjp(forward, common.acc(x))[1](g)[0]
 
 
 def _adaptive_avg_pool(x, out_sizes):
     """Sum each window one spatial dim at a time (the windows are a product of per-dim ranges),
     then divide by the window's size."""
     nd = len(out_sizes)
-    x = _acc(x)
+    x = common.acc(x)
     divisor = np.ones((), np.int64)
     for axis, out in zip(range(x.ndim - nd, x.ndim), out_sizes):
-        taps, inside, length = _adaptive_windows(x.shape[axis], out)
+        taps, inside, length = common.adaptive_windows(x.shape[axis], out)
         shape = (1,) * axis + taps.shape + (1,) * (x.ndim - axis - 1)
         patches = jnp.take(x, jnp.asarray(taps.reshape(-1)), axis=axis)
         patches = patches.reshape(x.shape[:axis] + taps.shape + x.shape[axis + 1:])
@@ -402,30 +365,16 @@ def adaptive_avg_pool(ctx, x, output_size):
           check=_check_pool)
 def adaptive_avg_pool_backward(ctx, grad_output, x):
     nd = 3 if ctx.op is aten._adaptive_avg_pool3d_backward.default else 2
-    g = _acc(grad_output)
-    return jax.vjp(lambda x: _adaptive_avg_pool(x, g.shape[-nd:]), _acc(x))[1](g)[0]
+    g = common.acc(grad_output)
+    return jax.vjp(lambda x: _adaptive_avg_pool(x, g.shape[-nd:]), common.acc(x))[1](g)[0]
 
 
 # -- nearest upsampling --------------------------------------------------------------------------
 
-def _nearest_source(out_size: int, in_size: int, scale: Optional[float]) -> np.ndarray:
-    """torch's nearest_idx: exact for equal and doubled sizes, else floor(o * scale) in float32
-    with scale = 1 / scale_factor when given, in / out otherwise."""
-    o = np.arange(out_size)
-    if out_size == in_size:
-        return o
-    if out_size == 2 * in_size:
-        return o >> 1
-    if scale is not None and scale > 0:
-        s = np.float32(1.0 / scale)
-    else:
-        s = np.float32(in_size) / np.float32(out_size)
-    return np.minimum(np.floor(o.astype(np.float32) * s).astype(np.int64), in_size - 1)
-
 
 def _upsample_nearest(x, out_hw, scales_h, scales_w):
-    rows = _nearest_source(out_hw[0], x.shape[-2], scales_h)
-    cols = _nearest_source(out_hw[1], x.shape[-1], scales_w)
+    rows = common.nearest_source(out_hw[0], x.shape[-2], scales_h)
+    cols = common.nearest_source(out_hw[1], x.shape[-1], scales_w)
     return x[..., rows[:, None], cols[None, :]]
 
 
@@ -434,7 +383,7 @@ def _check_upsample(ctx: LoweringContext) -> Optional[str]:
     if dtype.is_complex:
         return "complex upsampling is not lowered"
     if not (dtype.is_floating_point or dtype == torch.uint8):
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     return None
 
 
@@ -453,7 +402,7 @@ def upsample_nearest2d_vec(ctx, x, output_size, scale_factors):
 @lowering(aten.upsample_nearest2d_backward.default, check=_check_upsample)
 def upsample_nearest2d_backward(ctx, grad_output, output_size, input_size, scales_h=None,
                                 scales_w=None):
-    g = _acc(grad_output)
+    g = common.acc(grad_output)
     zeros = jnp.zeros(tuple(input_size), g.dtype)
     return jax.vjp(lambda x: _upsample_nearest(x, output_size, scales_h, scales_w), zeros)[1](g)[0]
 
@@ -461,7 +410,7 @@ def upsample_nearest2d_backward(ctx, grad_output, output_size, input_size, scale
 # -- pointwise losses ----------------------------------------------------------------------------
 
 def _check_loss(ctx: LoweringContext) -> Optional[str]:
-    return _check_dtypes(ctx, ctx.tensor_args(), floating=True)
+    return common.check_dtypes(ctx, ctx.tensor_args(), floating=True)
 
 
 def _norm(x, reduction):
@@ -471,19 +420,19 @@ def _norm(x, reduction):
 
 @lowering(aten.mse_loss.default, check=_check_loss)
 def mse_loss(ctx, x, target, reduction=_MEAN):
-    d = _acc(x) - _acc(target)
+    d = common.acc(x) - common.acc(target)
     return _reduce(d * d, reduction)
 
 
 @lowering(aten.mse_loss_backward.default, check=_check_loss)
 def mse_loss_backward(ctx, grad_output, x, target, reduction):
-    d = _acc(x) - _acc(target)
-    return d * jnp.asarray(2.0 * _norm(x, reduction), d.dtype) * _acc(grad_output)
+    d = common.acc(x) - common.acc(target)
+    return d * jnp.asarray(2.0 * _norm(x, reduction), d.dtype) * common.acc(grad_output)
 
 
 @lowering(aten.smooth_l1_loss.default, check=_check_loss)
 def smooth_l1_loss(ctx, x, target, reduction=_MEAN, beta=1.0):
-    z = jnp.abs(_acc(x) - _acc(target))
+    z = jnp.abs(common.acc(x) - common.acc(target))
     if beta == 0:
         return _reduce(z, reduction)
     loss = jnp.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta)
@@ -492,54 +441,54 @@ def smooth_l1_loss(ctx, x, target, reduction=_MEAN, beta=1.0):
 
 @lowering(aten.smooth_l1_loss_backward.default, check=_check_loss)
 def smooth_l1_loss_backward(ctx, grad_output, x, target, reduction, beta):
-    d = _acc(x) - _acc(target)
-    g = _acc(grad_output) * jnp.asarray(_norm(x, reduction), d.dtype)
+    d = common.acc(x) - common.acc(target)
+    g = common.acc(grad_output) * jnp.asarray(_norm(x, reduction), d.dtype)
     inner = d * g / beta if beta else jnp.zeros_like(d)
     return jnp.where(d <= -beta, -g, jnp.where(d >= beta, g, inner))
 
 
 @lowering(aten.huber_loss.default, check=_check_loss)
 def huber_loss(ctx, x, target, reduction=_MEAN, delta=1.0):
-    z = jnp.abs(_acc(x) - _acc(target))
+    z = jnp.abs(common.acc(x) - common.acc(target))
     loss = jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta))
     return _reduce(loss, reduction)
 
 
 @lowering(aten.huber_loss_backward.default, check=_check_loss)
 def huber_loss_backward(ctx, grad_output, x, target, reduction, delta):
-    d = _acc(x) - _acc(target)
-    g = _acc(grad_output) * jnp.asarray(_norm(x, reduction), d.dtype)
+    d = common.acc(x) - common.acc(target)
+    g = common.acc(grad_output) * jnp.asarray(_norm(x, reduction), d.dtype)
     return jnp.where(d <= -delta, -g * delta, jnp.where(d >= delta, g * delta, d * g))
 
 
 @lowering(aten.binary_cross_entropy.default, check=_check_loss)
 def binary_cross_entropy(ctx, x, target, weight=None, reduction=_MEAN):
     # log terms clamped at -100 as torch does, so that 0 * log(0) stays finite
-    x, t = _acc(x), _acc(target)
+    x, t = common.acc(x), common.acc(target)
     loss = (t - 1) * jnp.maximum(jnp.log1p(-x), -100.0) - t * jnp.maximum(jnp.log(x), -100.0)
     if weight is not None:
-        loss = loss * _acc(weight)
+        loss = loss * common.acc(weight)
     return _reduce(loss, reduction)
 
 
 @lowering(aten.binary_cross_entropy_backward.default, check=_check_loss)
 def binary_cross_entropy_backward(ctx, grad_output, x, target, weight=None, reduction=_MEAN):
-    x, t = _acc(x), _acc(target)
-    grad = _acc(grad_output) * (x - t) / jnp.maximum((1 - x) * x, 1e-12)
+    x, t = common.acc(x), common.acc(target)
+    grad = common.acc(grad_output) * (x - t) / jnp.maximum((1 - x) * x, 1e-12)
     if weight is not None:
-        grad = grad * _acc(weight)
+        grad = grad * common.acc(weight)
     return grad / x.size if reduction == _MEAN else grad
 
 
 @lowering(aten.binary_cross_entropy_with_logits.default, check=_check_loss)
 def binary_cross_entropy_with_logits(ctx, x, target, weight=None, pos_weight=None, reduction=_MEAN):
-    x, t = _acc(x), _acc(target)
+    x, t = common.acc(x), common.acc(target)
     log_sigmoid = jnp.minimum(x, 0) - jnp.log1p(xla_fixes.exp(-jnp.abs(x)))
     if pos_weight is not None:
-        log_sigmoid = log_sigmoid * ((_acc(pos_weight) - 1) * t + 1)
+        log_sigmoid = log_sigmoid * ((common.acc(pos_weight) - 1) * t + 1)
     loss = (1 - t) * x - log_sigmoid
     if weight is not None:
-        loss = loss * _acc(weight)
+        loss = loss * common.acc(weight)
     return _reduce(loss, reduction)
 
 

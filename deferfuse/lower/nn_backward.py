@@ -18,10 +18,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import common
 from . import dtypes as _dtypes
-from .linalg import raise_like_cpu
-from .movement import _pad_then_crop
-from .nn import _acc, _adaptive_windows, _check_dtypes, _nearest_source
 from .registry import LoweringContext, lowering, runtime_check
 from .._lazy import lazy_import
 
@@ -39,7 +37,7 @@ _F64 = np.dtype(np.float64)
 def _check_floating(ctx: LoweringContext) -> Optional[str]:
     """Every tensor argument floating point of one dtype (complex declined); otherwise torch's
     CPU kernel raises its own error at record time."""
-    return _check_dtypes(ctx, ctx.tensor_args(), floating=True)
+    return common.check_dtypes(ctx, ctx.tensor_args(), floating=True)
 
 
 def _np_float(dtype) -> type:
@@ -90,7 +88,7 @@ def _taps_nearest(in_size, out_size, scale, exact, ft):
         pos = ((np.arange(out_size) + 0.5) * np.float64(s)).astype(np.float32)
         idx = np.minimum(np.floor(pos).astype(np.int64), in_size - 1)
     else:
-        idx = _nearest_source(out_size, in_size, scale)
+        idx = common.nearest_source(out_size, in_size, scale)
     return [(np.asarray(idx, np.int64), None)]
 
 
@@ -138,13 +136,13 @@ def _apply_taps(x, taps_per_dim):
 
 
 def _upsample_backward(grad_output, input_size, taps_per_dim):
-    g = _acc(grad_output)
+    g = common.acc(grad_output)
     zeros = jnp.zeros(tuple(input_size), g.dtype)
     return jax.vjp(lambda x: _apply_taps(x, taps_per_dim), zeros)[1](g)[0]
 
 
 def _check_upsample_backward(ctx: LoweringContext) -> Optional[str]:
-    return _check_dtypes(ctx, ctx.args[:1], floating=True)
+    return common.check_dtypes(ctx, ctx.args[:1], floating=True)
 
 
 _NEAREST_BACKWARD = {
@@ -181,7 +179,7 @@ def upsample_interp_backward(ctx, grad_output, output_size, input_size, align_co
 def _separable_backward(grad_output, output_size, input_size, scales, nd: int, taps_of):
     """The backward of an upsampling op given how it reads each spatial dim (``taps_of``)."""
     scales = (tuple(scales) + (None,) * nd)[:nd]
-    ft = _np_float(_acc(grad_output).dtype)
+    ft = _np_float(common.acc(grad_output).dtype)
     taps = [taps_of(i, o, s, ft) for i, o, s in zip(input_size[-nd:], output_size, scales)]
     return _upsample_backward(grad_output, input_size, taps)
 
@@ -309,7 +307,7 @@ def _check_aa(ctx: LoweringContext) -> Optional[str]:
         return None
     if dtype == torch.uint8 or dtype.is_complex:
         return f"{dtype} antialiased upsampling is not lowered"
-    return raise_like_cpu(ctx)      # half types and integers: "not implemented for 'Half'"
+    return common.raise_like_cpu(ctx)      # half types and integers: "not implemented for 'Half'"
 
 
 @lowering(aten._upsample_bilinear2d_aa.default, check=_check_aa)
@@ -333,9 +331,9 @@ def upsample_bilinear2d_aa_backward(ctx, grad_output, output_size, input_size, a
 @lowering(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
           aten.replication_pad3d_backward.default, check=_check_upsample_backward)
 def replication_pad_backward(ctx, grad_output, x, padding):
-    g = _acc(grad_output)
+    g = common.acc(grad_output)
     zeros = jnp.zeros(x.shape, g.dtype)
-    return jax.vjp(lambda x: _pad_then_crop(x, padding, "edge"), zeros)[1](g)[0]
+    return jax.vjp(lambda x: common.pad_then_crop(x, padding, "edge"), zeros)[1](g)[0]
 
 
 # -- max pooling backward ------------------------------------------------------------------------
@@ -345,7 +343,7 @@ def _scatter_to_indices(grad_output, x, indices, nd: int):
     spatial = math.prod(x.shape[x.ndim - nd:])
     lead = x.shape[:x.ndim - nd]
     planes = math.prod(lead)
-    g = _acc(grad_output).reshape(planes, -1)
+    g = common.acc(grad_output).reshape(planes, -1)
     idx = indices.reshape(planes, -1)
     rows = jnp.arange(planes)[:, None]
     grad = jnp.zeros((planes, spatial), g.dtype).at[rows, idx].add(g, mode="drop")
@@ -353,7 +351,7 @@ def _scatter_to_indices(grad_output, x, indices, nd: int):
 
 
 def _check_pool_backward(ctx: LoweringContext) -> Optional[str]:
-    return _check_dtypes(ctx, ctx.args[:2], floating=True)
+    return common.check_dtypes(ctx, ctx.args[:2], floating=True)
 
 
 @lowering(aten.max_pool3d_with_indices_backward.default, check=_check_pool_backward)
@@ -370,7 +368,7 @@ def adaptive_max_pool_backward(ctx, grad_output, x, indices):
 
 
 def _check_adaptive_max(ctx: LoweringContext) -> Optional[str]:
-    return _check_dtypes(ctx, ctx.args[:1], floating=True)
+    return common.check_dtypes(ctx, ctx.args[:1], floating=True)
 
 
 @lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default,
@@ -386,7 +384,7 @@ def adaptive_max_pool(ctx, x, output_size):
     # Gather every window as (out positions..., taps) with the taps in row-major order.  torch
     # scans a window from its first position with -inf as the running max, taking a value that
     # is greater or NaN: the result is the last NaN if any, else the first maximum.
-    per_dim = [_adaptive_windows(i, o) for i, o in zip(in_sizes, out_sizes)]
+    per_dim = [common.adaptive_windows(i, o) for i, o in zip(in_sizes, out_sizes)]
     flat, inside = per_dim[0][0], per_dim[0][1]
     for (taps, ok, _), size in zip(per_dim[1:], in_sizes[1:]):
         flat, inside = _outer(flat, taps, size), _outer_mask(inside, ok)
@@ -490,18 +488,18 @@ def pdist_forward(ctx, x, p=2.0):
     if n <= 1:
         return jnp.zeros((0,), x.dtype)
     i, j = _pairs(n)
-    a = _acc(x)
+    a = common.acc(x)
     return _norm_of_diffs(jnp.abs(a[i] - a[j]), float(p))
 
 
 @lowering(aten._pdist_backward.default, check=_check_pdist)
 def pdist_backward(ctx, grad, x, p, pdist):
     n = x.shape[0]
-    a = _acc(x)
+    a = common.acc(x)
     if n <= 1 or x.shape[1] == 0:
         return jnp.zeros(x.shape, a.dtype)
     i, j = _pairs(n)
-    per_pair = _norm_backward(a[i] - a[j], _acc(grad)[:, None], _acc(pdist)[:, None], float(p))
+    per_pair = _norm_backward(a[i] - a[j], common.acc(grad)[:, None], common.acc(pdist)[:, None], float(p))
     return jnp.zeros(x.shape, a.dtype).at[i].add(per_pair).at[j].add(-per_pair)
 
 
@@ -515,8 +513,8 @@ def cdist_forward(ctx, x1, x2, p, compute_mode=None):
     out_shape = ctx.out_shape
     batch = out_shape[:-2]
     (r1, c), r2 = x1.shape[-2:], x2.shape[-2]
-    a = jnp.broadcast_to(_acc(x1), batch + (r1, c))
-    b = jnp.broadcast_to(_acc(x2), batch + (r2, c))
+    a = jnp.broadcast_to(common.acc(x1), batch + (r1, c))
+    b = jnp.broadcast_to(common.acc(x2), batch + (r2, c))
     if r1 == 0 or r2 == 0 or math.prod(batch) == 0 or c == 0:
         return jnp.zeros(out_shape, a.dtype)
     if _cdist_mm(float(p), r1, r2, compute_mode):
@@ -535,11 +533,11 @@ def cdist_backward(ctx, grad, x1, x2, p, cdist):
     batch = tuple(np.broadcast_shapes(x1.shape[:-2], x2.shape[:-2]))
     (r1, c), r2 = x1.shape[-2:], x2.shape[-2]
     if r1 == 0 or r2 == 0 or c == 0 or math.prod(batch) == 0:
-        return jnp.zeros(ctx.out_shape, _acc(x1).dtype)   # (x1's own shape, not the broadcast one)
-    a = jnp.broadcast_to(_acc(x1), batch + (r1, c))
-    b = jnp.broadcast_to(_acc(x2), batch + (r2, c))
-    g = _acc(grad).reshape(batch + (r1, r2))[..., None]
-    d = _acc(cdist).reshape(batch + (r1, r2))[..., None]
+        return jnp.zeros(ctx.out_shape, common.acc(x1).dtype)   # (x1's own shape, not the broadcast one)
+    a = jnp.broadcast_to(common.acc(x1), batch + (r1, c))
+    b = jnp.broadcast_to(common.acc(x2), batch + (r2, c))
+    g = common.acc(grad).reshape(batch + (r1, r2))[..., None]
+    d = common.acc(cdist).reshape(batch + (r1, r2))[..., None]
     per_pair = _norm_backward(a[..., :, None, :] - b[..., None, :, :], g, d, float(p))
     return per_pair.sum(-2)
 
@@ -549,7 +547,7 @@ def cdist_backward(ctx, grad, x1, x2, p, cdist):
 def _check_histc(ctx: LoweringContext) -> Optional[str]:
     x = ctx.args[0]
     if not x.dtype.is_floating_point:
-        return raise_like_cpu(ctx)   # "histogram_cpu" not implemented for 'Long'
+        return common.raise_like_cpu(ctx)   # "histogram_cpu" not implemented for 'Long'
     if x.dtype in (torch.float16, torch.bfloat16) and math.prod(x.shape) > 256:
         return "torch counts half-precision histograms in their own dtype, which saturates"
     return None
@@ -599,7 +597,7 @@ def _check_hash(ctx: LoweringContext) -> Optional[str]:
     dims = [dims] if isinstance(dims, int) else list(dims or ())
     if (not dims and math.prod(x.shape) == 0) or any(x.shape[d] == 0 for d in dims if x.shape):
         # torch wants a reduction dim for an empty input, and no empty reduction dim
-        return raise_like_cpu(ctx)
+        return common.raise_like_cpu(ctx)
     return None
 
 

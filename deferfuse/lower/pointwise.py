@@ -1,5 +1,5 @@
 """Pointwise lowerings: arithmetic, math, comparison, logical, bitwise and casts (activations
-are in activation.py, imported at the end).
+are in activation.py; the operand helpers both use are in common.py).
 
 Operands are read as torch's CPU kernels read them: cast to the op's common dtype, then widened
 to the computation dtype (float32 for float16/bfloat16, torch's "opmath").  Where torch keeps a
@@ -8,7 +8,7 @@ says so; elsewhere a scalar rounds to the common dtype first (half(x) < 0.1 comp
 Comparisons, min/max, clamp and where are exact and work in the promoted dtype.
 
 Checkers decline complex dtypes.  Most also run torch's own CPU kernel on empty tensors of the
-same dtypes (``_probe``): meta functions accept dtype combinations the kernels reject (gelu of
+same dtypes (``common.probe``): meta functions accept dtype combinations the kernels reject (gelu of
 int64, abs of bool, int64 ** -1), and declining would hand those to a decomposition that
 computes something instead of raising what strict mode raises.  So the checker raises torch's
 own exception, at record time, on the user's line.
@@ -17,14 +17,13 @@ own exception, at record time, on the user's line.
 from __future__ import annotations
 
 import math
-import platform
 
 import numpy as np
 import torch
 
-from . import dtypes as _dtypes
+from . import common
 from . import xla_fixes
-from .registry import lowering, runtime_check, replay_on_cpu
+from .registry import lowering, runtime_check
 from .._lazy import late, lazy_import
 
 jnp = lazy_import("jax.numpy", globals(), "jnp")
@@ -36,177 +35,58 @@ _lax = late(lax)
 
 aten = torch.ops.aten
 
-_REDUCED_FLOATS = _dtypes.HALF_TYPES
 
-
-# -- checkers --------------------------------------------------------------------------------------
-def _dtype_reason(ctx):
-    for m in [*ctx.tensor_args(), *ctx.out]:
-        if m.dtype.is_complex:
-            return "complex dtypes are not lowered"
-        if not _dtypes.is_supported(m.dtype):
-            return f"dtype {m.dtype} has no JAX equivalent"
-    return None
-
-
-def _supported_dtypes(ctx):
-    """For rules that handle complex values too (casts, copies, conj)."""
-    for m in [*ctx.tensor_args(), *ctx.out]:
-        if not _dtypes.is_supported(m.dtype):
-            return f"dtype {m.dtype} has no JAX equivalent"
-    return None
-
-
-def _probe(ctx):
-    """Raise what torch's CPU kernel raises for these dtypes and static arguments.  Its dtype
-    checks fire even on empty tensors, which keeps the probe cheap and free of data errors
-    (division by zero); empty shapes still broadcast and halve (glu)."""
-    if any(m.device.type != "cpu" for m in ctx.tensor_args()):
-        return
-    replay_on_cpu(ctx, empty=True)
-
-
-def _check(ctx):
-    reason = _dtype_reason(ctx)
-    if reason is None:
-        _probe(ctx)
-    return reason
-
-
-# -- dtype helpers ---------------------------------------------------------------------------------
-def _opmath(dt):
-    dt = jnp.dtype(dt)
-    return jnp.dtype(jnp.float32) if dt in _REDUCED_FLOATS else dt
-
-
-def _is_float(dt) -> bool:
-    return jnp.issubdtype(dt, jnp.floating)
-
-
-def _is_int(dt) -> bool:
-    return jnp.issubdtype(dt, jnp.integer)
-
-
-def _as(dt, *xs):
-    """Arrays and Python/traced scalars as arrays of dtype ``dt``."""
-    # (not getattr(x, "dtype", None) == dt: numpy reads None as float64)
-    out = [x if hasattr(x, "dtype") and x.dtype == dt else _dtypes.cast(x, dt) for x in xs]
-    return out[0] if len(out) == 1 else out
-
-
-def _through(common, *xs):
-    """Operands as torch's kernels read them: cast to the op's common dtype (a scalar rounds to
-    float16 there), then widened to the computation dtype (float32 for float16/bfloat16)."""
-    common = jnp.dtype(common)
-    out = [_as(_opmath(common), _as(common, x)) for x in xs]
-    return out[0] if len(out) == 1 else out
-
-
-def _wide(common, *xs):
-    """Scalars that torch's kernels convert straight to the computation dtype, unrounded
-    (mul/div by a scalar, lerp weights, addcmul values, activation parameters)."""
-    return _as(_opmath(common), *xs)
-
-
-def _second_operand(common, y):
+# -- dtype helpers (the shared ones are in common.py) ----------------------------------------------
+def _second_operand(common_dtype, y):
     # torch's CPU mul and div read a 0-d second operand (Python scalar or 0-dim tensor) at
     # computation precision; add, sub, remainder and comparisons round it to the common dtype
-    return _wide(common, y) if jnp.ndim(y) == 0 else _through(common, y)
+    return common.wide(common_dtype, y) if jnp.ndim(y) == 0 else common.through(common_dtype, y)
 
 
 def _promoted(ctx, *xs):
-    return _as(ctx.promoted_dtype, *xs)
-
-
-# torch's CPU casts from floating to integral types are C++ static_casts; on x86 an out-of-range
-# value or NaN becomes the "integer indefinite" INT_MIN of a 32-bit (or, for 64-bit targets,
-# 64-bit) conversion, which narrower types then truncate.  XLA saturates instead.
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-
-def _convert(x, dt):
-    x = jnp.asarray(x)
-    dt = jnp.dtype(dt)
-    if not (_X86 and _is_float(x.dtype) and _is_int(dt)):
-        return _dtypes.cast(x, dt)
-    wide = jnp.int64 if dt.itemsize == 8 or dt == jnp.uint32 else jnp.int32
-    info = jnp.iinfo(wide)
-    xf = x.astype(jnp.float32) if x.dtype in _REDUCED_FLOATS else x
-    in_range = (xf >= float(info.min)) & (xf < -float(info.min))
-    y = jnp.where(in_range, jnp.where(in_range, xf, 0).astype(wide), info.min)
-    return y.astype(dt)
+    return common.as_dtype(ctx.promoted_dtype, *xs)
 
 
 # -- arithmetic ------------------------------------------------------------------------------------
-@lowering(aten.add.Tensor, aten.add.Scalar, check=_check)
+@lowering(aten.add.Tensor, aten.add.Scalar, check=common.check)
 def add(ctx, x, y, alpha=1):
-    x, y, alpha = _through(ctx.promoted_dtype, x, y, alpha)
+    x, y, alpha = common.through(ctx.promoted_dtype, x, y, alpha)
     return x + alpha * y
 
 
-@lowering(aten.sub.Tensor, aten.sub.Scalar, check=_check)
+@lowering(aten.sub.Tensor, aten.sub.Scalar, check=common.check)
 def sub(ctx, x, y, alpha=1):
-    x, y, alpha = _through(ctx.promoted_dtype, x, y, alpha)
+    x, y, alpha = common.through(ctx.promoted_dtype, x, y, alpha)
     return x - alpha * y
 
 
-@lowering(aten.rsub.Tensor, aten.rsub.Scalar, check=_check)
+@lowering(aten.rsub.Tensor, aten.rsub.Scalar, check=common.check)
 def rsub(ctx, x, y, alpha=1):
-    x, y, alpha = _through(ctx.promoted_dtype, x, y, alpha)
+    x, y, alpha = common.through(ctx.promoted_dtype, x, y, alpha)
     return y - alpha * x
 
 
-@lowering(aten.mul.Tensor, aten.mul.Scalar, check=_check)
+@lowering(aten.mul.Tensor, aten.mul.Scalar, check=common.check)
 def mul(ctx, x, y):
-    x, y = _through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
+    x, y = common.through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
     return x * y
 
 
-_DEKKER_SPLIT = 134217729.0   # 2 ** 27 + 1
-
-
-def _product_error(a, b, p):
-    """a * b - p exactly, for p = a * b rounded (Dekker's two-product, no FMA needed)."""
-    def split(v):
-        c = _DEKKER_SPLIT * v
-        high = c - (c - v)
-        return high, v - high
-    a_high, a_low = split(a)
-    b_high, b_low = split(b)
-    return ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low
-
-
-def _divide(x, y):
-    """x / y rounded once, as torch divides.  XLA turns a division by a broadcast value into a
-    multiplication by its reciprocal, which rounds twice (trunc(0.6 / 0.2) would become 3).
-    Narrower floats divide in float64, which rounds to them exactly; float64 quotients get one
-    correction step from their exact residual."""
-    if jnp.shape(y) == jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y)):
-        return x / y
-    if x.dtype != jnp.float64:
-        return (x.astype(jnp.float64) / y.astype(jnp.float64)).astype(x.dtype)
-    q = x / y
-    p = q * y
-    residual = (x - p) - _product_error(q, y, p)
-    corrected = q + residual / y
-    return jnp.where(jnp.isfinite(corrected), corrected, q)
-
-
-@lowering(aten.div.Tensor, aten.div.Scalar, check=_check)
+@lowering(aten.div.Tensor, aten.div.Scalar, check=common.check)
 def div(ctx, x, y):
     # the common dtype of true division is floating (int / int gives float32)
-    x, y = _through(ctx.out_dtype, x), _second_operand(ctx.out_dtype, y)
-    return _divide(x, y)
+    x, y = common.through(ctx.out_dtype, x), _second_operand(ctx.out_dtype, y)
+    return common.divide(x, y)
 
 
 def _no_integer_division_by_zero(y):
-    if not _is_float(y.dtype):
+    if not common.is_float(y.dtype):
         runtime_check(y == 0, RuntimeError, "ZeroDivisionError")
 
 
 def _floor_divide(x, y):
     x, y = jnp.broadcast_arrays(x, y)
-    if not _is_float(x.dtype):
+    if not common.is_float(x.dtype):
         _no_integer_division_by_zero(y)
         return jnp.floor_divide(x, y)
     # Python's algorithm, as torch's div_floor_floating uses: exact where floor(x / y) is not
@@ -219,36 +99,36 @@ def _floor_divide(x, y):
     return jnp.where(y == 0, x / y, floored)
 
 
-@lowering(aten.div.Tensor_mode, aten.div.Scalar_mode, check=_check)
+@lowering(aten.div.Tensor_mode, aten.div.Scalar_mode, check=common.check)
 def div_mode(ctx, x, y, *, rounding_mode=None):
     if rounding_mode is None:
         return div(ctx, x, y)
-    x, y = _through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
+    x, y = common.through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y)
     if rounding_mode == "trunc":
-        if _is_float(x.dtype):
+        if common.is_float(x.dtype):
             # torch rounds the quotient to float16/bfloat16 before truncating it
-            return jnp.trunc(_through(ctx.promoted_dtype, _divide(x, y)))
+            return jnp.trunc(common.through(ctx.promoted_dtype, common.divide(x, y)))
         _no_integer_division_by_zero(y)
         return lax.div(*jnp.broadcast_arrays(x, y))
     return _floor_divide(x, y)
 
 
-@lowering(aten.floor_divide.default, aten.floor_divide.Scalar, check=_check)
+@lowering(aten.floor_divide.default, aten.floor_divide.Scalar, check=common.check)
 def floor_divide(ctx, x, y):
-    return _floor_divide(_through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y))
+    return _floor_divide(common.through(ctx.promoted_dtype, x), _second_operand(ctx.promoted_dtype, y))
 
 
-@lowering(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=_check)
+@lowering(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, check=common.check)
 def remainder(ctx, x, y):
-    x, y = jnp.broadcast_arrays(*_through(ctx.promoted_dtype, x, y))
+    x, y = jnp.broadcast_arrays(*common.through(ctx.promoted_dtype, x, y))
     _no_integer_division_by_zero(y)
     mod = lax.rem(x, y)
     return jnp.where((mod != 0) & ((y < 0) != (mod < 0)), mod + y, mod)
 
 
-@lowering(aten.fmod.Tensor, aten.fmod.Scalar, check=_check)
+@lowering(aten.fmod.Tensor, aten.fmod.Scalar, check=common.check)
 def fmod(ctx, x, y):
-    x, y = jnp.broadcast_arrays(*_through(ctx.promoted_dtype, x, y))
+    x, y = jnp.broadcast_arrays(*common.through(ctx.promoted_dtype, x, y))
     _no_integer_division_by_zero(y)
     return lax.rem(x, y)
 
@@ -272,15 +152,15 @@ def _integer_power(base, exponent):
     return jnp.where(exponent < 0, negative, result)
 
 
-@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, check=_check)
+@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, check=common.check)
 def pow_(ctx, base, exponent):
-    common = ctx.promoted_dtype
+    common_dtype = ctx.promoted_dtype
     static_exponent = isinstance(exponent, int) and not isinstance(exponent, bool)
     if static_exponent and exponent >= 0:
         # repeated multiplication: exact for integers (wrapping), and as torch special-cases x ** 2
-        return lax.integer_pow(_through(common, base), exponent)
-    base, exponent = _through(common, base, exponent)
-    if _is_int(common):
+        return lax.integer_pow(common.through(common_dtype, base), exponent)
+    base, exponent = common.through(common_dtype, base, exponent)
+    if common.is_int(common_dtype):
         return _integer_power(*jnp.broadcast_arrays(base, exponent))
     # XLA's pow is exp(y log x), whose error grows with |y log x| (5e-6 relative for float32
     # results near 1e30); computed in float64 it stays within torch's ulp
@@ -301,8 +181,6 @@ def pow_(ctx, base, exponent):
 
 
 # -- unary math ------------------------------------------------------------------------------------
-def _sigmoid(x):
-    return 1 / (1 + xla_fixes.exp(-x))
 
 
 def _digamma(x):
@@ -343,7 +221,7 @@ _FLOAT_UNARY = {
     aten.asinh.default: _jnp.arcsinh, aten.acosh.default: _jnp.arccosh, aten.atanh.default: _jnp.arctanh,
     aten.erf.default: _lax.erf, aten.erfc.default: _lax.erfc, aten.erfinv.default: _lax.erf_inv,
     aten.lgamma.default: _lax.lgamma, aten.digamma.default: _digamma,
-    aten.sigmoid.default: _sigmoid,
+    aten.sigmoid.default: common.sigmoid,
     aten.i0.default: lambda x: lax.bessel_i0e(x) * xla_fixes.exp(jnp.abs(x)), aten.special_i0e.default: _lax.bessel_i0e,
     aten.special_i1.default: lambda x: lax.bessel_i1e(x) * xla_fixes.exp(jnp.abs(x)),
     aten.special_i1e.default: _lax.bessel_i1e,
@@ -353,18 +231,11 @@ _FLOAT_UNARY = {
 }
 
 
-def _float_unary_rule(fn):
-    def rule(ctx, x):
-        return fn(_through(ctx.out_dtype, x))
-    rule.__qualname__ = f"float_unary[{getattr(fn, '__name__', 'fn')}]"
-    return rule
-
-
 # torch evaluates the Bessel series (i0, i0e, i1, i1e) in float16/bfloat16 arithmetic for those
 # dtypes, a few ulps from the float32 evaluation rounded once that this (and torch's own
 # decomposition) computes.
 for _op, _fn in _FLOAT_UNARY.items():
-    lowering(_op, check=_check)(_float_unary_rule(_fn))
+    lowering(_op, check=common.check)(common.float_unary_rule(_fn))
 
 
 def _sign(x):
@@ -375,7 +246,7 @@ def _sign(x):
 
 
 def _integers_unchanged(fn):
-    return lambda x: fn(x) if _is_float(x.dtype) else x
+    return lambda x: fn(x) if common.is_float(x.dtype) else x
 
 
 _SAME_DTYPE_UNARY = {
@@ -391,75 +262,69 @@ _SAME_DTYPE_UNARY = {
 
 def _same_dtype_unary_rule(fn):
     def rule(ctx, x):
-        return fn(_through(ctx.out_dtype, x))
+        return fn(common.through(ctx.out_dtype, x))
     rule.__qualname__ = f"same_dtype_unary[{getattr(fn, '__name__', 'fn')}]"
     return rule
 
 
 for _op, _fn in _SAME_DTYPE_UNARY.items():
-    lowering(_op, check=_check)(_same_dtype_unary_rule(_fn))
+    lowering(_op, check=common.check)(_same_dtype_unary_rule(_fn))
 
 
-@lowering(aten.round.decimals, check=_check)
+@lowering(aten.round.decimals, check=common.check)
 def round_decimals(ctx, x, *, decimals):
-    x = _through(ctx.out_dtype, x)
+    x = common.through(ctx.out_dtype, x)
     scale = np.asarray(10.0 ** abs(decimals), dtype=x.dtype)
     if decimals < 0:
         return jnp.round(x / scale) * scale
     return jnp.round(x * scale) / scale
 
 
-def _logit_bounds(dt, eps):
-    # torch: lo = eps and hi = 1 - eps in the tensor's dtype (in bfloat16, 1 - 1e-3 is 1)
-    low = _as(dt, eps)
-    return _through(dt, low, 1 - _wide(dt, low))
-
-
-@lowering(aten.logit.default, check=_check)
+@lowering(aten.logit.default, check=common.check)
 def logit(ctx, x, eps=None):
     dt = ctx.out_dtype
-    x = _through(dt, x)
+    x = common.through(dt, x)
     if eps is not None and eps >= 0:
-        low, high = _logit_bounds(dt, eps)
+        low, high = common.logit_bounds(dt, eps)
         x = jnp.where(x < low, low, jnp.where(x > high, high, x))
     # torch rounds 1 - x and the ratio to float16/bfloat16 before the log
-    one_minus = _through(dt, 1 - x)
-    return jnp.log(_through(dt, x / one_minus))
+    one_minus = common.through(dt, 1 - x)
+    return jnp.log(common.through(dt, x / one_minus))
 
 
-@lowering(aten.isnan.default, check=_check)
+@lowering(aten.isnan.default, check=common.check)
 def isnan(ctx, x):
     return x != x
 
 
-@lowering(aten.isinf.default, check=_check)
+@lowering(aten.isinf.default, check=common.check)
 def isinf(ctx, x):
-    return jnp.isinf(x) if _is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
+    return jnp.isinf(x) if common.is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
 
 
-@lowering(aten.isposinf.default, check=_check)
+@lowering(aten.isposinf.default, check=common.check)
 def isposinf(ctx, x):
-    return x == jnp.inf if _is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
+    return x == jnp.inf if common.is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
 
 
-@lowering(aten.isneginf.default, check=_check)
+@lowering(aten.isneginf.default, check=common.check)
 def isneginf(ctx, x):
-    return x == -jnp.inf if _is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
+    return x == -jnp.inf if common.is_float(x.dtype) else jnp.zeros(x.shape, jnp.bool_)
 
 
-@lowering(aten.signbit.default, check=_check)
+@lowering(aten.signbit.default, check=common.check)
 def signbit(ctx, x):
-    if _is_float(x.dtype):
+    if common.is_float(x.dtype):
         return jnp.signbit(x)
     return x < 0 if jnp.issubdtype(x.dtype, jnp.signedinteger) else jnp.zeros(x.shape, jnp.bool_)
 
 
-@lowering(aten.nan_to_num.default, check=_check)
+@lowering(aten.nan_to_num.default, check=common.check)
 def nan_to_num(ctx, x, nan=None, posinf=None, neginf=None):
-    if not _is_float(x.dtype):
+    if not common.is_float(x.dtype):
         return x
     info = jnp.finfo(x.dtype)
-    nan, posinf, neginf = _as(x.dtype, 0.0 if nan is None else nan, info.max if posinf is None else posinf,
+    nan, posinf, neginf = common.as_dtype(x.dtype, 0.0 if nan is None else nan, info.max if posinf is None else posinf,
                               info.min if neginf is None else neginf)
     return jnp.where(x != x, nan, jnp.where(x == jnp.inf, posinf, jnp.where(x == -jnp.inf, neginf, x)))
 
@@ -486,13 +351,13 @@ _FLOAT_BINARY = {
 
 def _float_binary_rule(fn):
     def rule(ctx, x, y):
-        return fn(*_through(ctx.out_dtype, x, y))
+        return fn(*common.through(ctx.out_dtype, x, y))
     rule.__qualname__ = f"float_binary[{getattr(fn, '__name__', 'fn')}]"
     return rule
 
 
 for _op, _fn in _FLOAT_BINARY.items():
-    lowering(_op, check=_check)(_float_binary_rule(_fn))
+    lowering(_op, check=common.check)(_float_binary_rule(_fn))
 
 
 # -- special functions of two arguments -----------------------------------------------------------
@@ -573,14 +438,14 @@ def _hurwitz_zeta(x, q):
     return jnp.where(x == 1, jnp.inf, z).astype(dtype)
 
 
-@lowering(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar, check=_check)
+@lowering(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar, check=common.check)
 def special_zeta(ctx, x, q):
-    return _hurwitz_zeta(*jnp.broadcast_arrays(*_through(ctx.out_dtype, x, q)))
+    return _hurwitz_zeta(*jnp.broadcast_arrays(*common.through(ctx.out_dtype, x, q)))
 
 
-@lowering(aten.polygamma.default, check=_check)
+@lowering(aten.polygamma.default, check=common.check)
 def polygamma(ctx, n, x):
-    x = _through(ctx.out_dtype, x)
+    x = common.through(ctx.out_dtype, x)
     if n == 0:
         return _digamma(x)
     if n == 1:
@@ -607,15 +472,15 @@ def _igamma_edges(a, x, value, upper):
     return jnp.where(special, 1 - lower_value, value).astype(value.dtype)
 
 
-@lowering(aten.igamma.default, check=_check)
+@lowering(aten.igamma.default, check=common.check)
 def igamma(ctx, a, x):
-    a, x = jnp.broadcast_arrays(*_through(ctx.out_dtype, a, x))
+    a, x = jnp.broadcast_arrays(*common.through(ctx.out_dtype, a, x))
     return _igamma_edges(a, x, jax_special.gammainc(a, x), upper=False)
 
 
-@lowering(aten.igammac.default, check=_check)
+@lowering(aten.igammac.default, check=common.check)
 def igammac(ctx, a, x):
-    a, x = jnp.broadcast_arrays(*_through(ctx.out_dtype, a, x))
+    a, x = jnp.broadcast_arrays(*common.through(ctx.out_dtype, a, x))
     return _igamma_edges(a, x, jax_special.gammaincc(a, x), upper=True)
 
 
@@ -636,12 +501,12 @@ def _gcd(a, b):
     return g
 
 
-@lowering(aten.gcd.default, check=_check)
+@lowering(aten.gcd.default, check=common.check)
 def gcd(ctx, a, b):
     return _gcd(*jnp.broadcast_arrays(*_promoted(ctx, a, b)))
 
 
-@lowering(aten.lcm.default, check=_check)
+@lowering(aten.lcm.default, check=common.check)
 def lcm(ctx, a, b):
     a, b = jnp.broadcast_arrays(*_promoted(ctx, a, b))
     g = _gcd(a, b)
@@ -649,13 +514,13 @@ def lcm(ctx, a, b):
     return jnp.where(g == 0, 0, jnp.abs(lax.div(a, jnp.where(g == 0, 1, g)) * b)).astype(a.dtype)
 
 
-@lowering(aten.nextafter.default, check=_check)
+@lowering(aten.nextafter.default, check=common.check)
 def nextafter(ctx, x, y):
     # in the tensors' own dtype: the next float16 after x is not the next float32
     return jnp.nextafter(*_promoted(ctx, x, y))
 
 
-@lowering(aten.heaviside.default, check=_check)
+@lowering(aten.heaviside.default, check=common.check)
 def heaviside(ctx, x, values):
     x, values = _promoted(ctx, x, values)
     return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
@@ -682,7 +547,7 @@ def _exact_binary_rule(fn):
 
 
 for _op, _fn in _EXACT_BINARY.items():
-    lowering(_op, check=_check)(_exact_binary_rule(_fn))
+    lowering(_op, check=common.check)(_exact_binary_rule(_fn))
 
 
 # -- logical and bitwise ---------------------------------------------------------------------------
@@ -691,7 +556,7 @@ def _truth(x):
     return x if x.dtype == jnp.bool_ else x != 0
 
 
-@lowering(aten.logical_not.default, check=_check)
+@lowering(aten.logical_not.default, check=common.check)
 def logical_not(ctx, x):
     return ~_truth(x)
 
@@ -708,7 +573,7 @@ def _logical_rule(fn):
 
 
 for _op, _fn in _LOGICAL.items():
-    lowering(_op, check=_check)(_logical_rule(_fn))
+    lowering(_op, check=common.check)(_logical_rule(_fn))
 
 
 def _shift_left(x, s):
@@ -745,34 +610,34 @@ def _bitwise_rule(fn):
 
 
 for _op, _fn in _BITWISE.items():
-    lowering(_op, check=_check)(_bitwise_rule(_fn))
+    lowering(_op, check=common.check)(_bitwise_rule(_fn))
 
 
 # -- clamp, where, lerp, addcmul -------------------------------------------------------------------
-@lowering(aten.clamp.default, aten.clamp.Tensor, check=_check)
+@lowering(aten.clamp.default, aten.clamp.Tensor, check=common.check)
 def clamp(ctx, x, min=None, max=None):
     dt = ctx.out_dtype
-    x = _as(dt, x)
+    x = common.as_dtype(dt, x)
     if min is not None:
-        x = jnp.maximum(x, _as(dt, min))
+        x = jnp.maximum(x, common.as_dtype(dt, min))
     if max is not None:
-        x = jnp.minimum(x, _as(dt, max))
+        x = jnp.minimum(x, common.as_dtype(dt, max))
     return x
 
 
-@lowering(aten.clamp_min.default, aten.clamp_min.Tensor, check=_check)
+@lowering(aten.clamp_min.default, aten.clamp_min.Tensor, check=common.check)
 def clamp_min(ctx, x, min):
     return clamp(ctx, x, min=min)
 
 
-@lowering(aten.clamp_max.default, aten.clamp_max.Tensor, check=_check)
+@lowering(aten.clamp_max.default, aten.clamp_max.Tensor, check=common.check)
 def clamp_max(ctx, x, max):
     return clamp(ctx, x, max=max)
 
 
-@lowering(aten.where.self, check=_check)
+@lowering(aten.where.self, check=common.check)
 def where(ctx, condition, x, y):
-    x, y = _as(ctx.out_dtype, x, y)
+    x, y = common.as_dtype(ctx.out_dtype, x, y)
     return jnp.where(_truth(condition), x, y)
 
 
@@ -782,53 +647,44 @@ def _lerp(start, end, weight):
                      end - (end - start) * (1 - weight))
 
 
-@lowering(aten.lerp.Scalar, aten.lerp.Tensor, check=_check)
+@lowering(aten.lerp.Scalar, aten.lerp.Tensor, check=common.check)
 def lerp(ctx, start, end, weight):
-    start, end = _through(ctx.out_dtype, start, end)
-    weight = _second_operand(ctx.out_dtype, weight) if ctx.op is aten.lerp.Scalar else _through(ctx.out_dtype, weight)
+    start, end = common.through(ctx.out_dtype, start, end)
+    weight = _second_operand(ctx.out_dtype, weight) if ctx.op is aten.lerp.Scalar else common.through(ctx.out_dtype, weight)
     return _lerp(start, end, weight)
 
 
-@lowering(aten.addcmul.default, check=_check)
+@lowering(aten.addcmul.default, check=common.check)
 def addcmul(ctx, x, t1, t2, *, value=1):
-    x, t1, t2 = _through(ctx.promoted_dtype, x, t1, t2)
-    value = _wide(ctx.promoted_dtype, value)
+    x, t1, t2 = common.through(ctx.promoted_dtype, x, t1, t2)
+    value = common.wide(ctx.promoted_dtype, value)
     return x + value * t1 * t2
 
 
-@lowering(aten.addcdiv.default, check=_check)
+@lowering(aten.addcdiv.default, check=common.check)
 def addcdiv(ctx, x, t1, t2, *, value=1):
-    x, t1, t2 = _through(ctx.promoted_dtype, x, t1, t2)
-    value = _wide(ctx.promoted_dtype, value)
+    x, t1, t2 = common.through(ctx.promoted_dtype, x, t1, t2)
+    value = common.wide(ctx.promoted_dtype, value)
     return x + value * t1 / t2
 
 
 # -- casts and copies ------------------------------------------------------------------------------
-def _convert_any(x, dt):
-    """``_convert`` that also takes complex values: to a real dtype torch keeps the real part
-    (to bool: nonzero real or imaginary part)."""
-    dt = jnp.dtype(dt)
-    if jnp.iscomplexobj(x) and not jnp.issubdtype(dt, jnp.complexfloating):
-        if dt == jnp.bool_:
-            return x != 0
-        x = jnp.real(x)
-    return _convert(x, dt)
 
 
-@lowering(aten._to_copy.default, check=_supported_dtypes)
+@lowering(aten._to_copy.default, check=common.supported_dtypes)
 def to_copy(ctx, x, **_ignored):
     # layout, device and memory format do not change values; the core lays the result out
-    return _convert_any(x, ctx.out_dtype)
+    return common.convert_any(x, ctx.out_dtype)
 
 
-@lowering(aten.clone.default, check=_supported_dtypes)
+@lowering(aten.clone.default, check=common.supported_dtypes)
 def clone(ctx, x, **_ignored):
     return x
 
 
-@lowering(aten.copy.default, check=_check)
+@lowering(aten.copy.default, check=common.check)
 def copy(ctx, x, src, non_blocking=False):
-    return _convert(jnp.broadcast_to(src, x.shape), ctx.out_dtype)
+    return common.convert(jnp.broadcast_to(src, x.shape), ctx.out_dtype)
 
 
 _C_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half", "bfloat16": "c10::BFloat16",
@@ -838,10 +694,10 @@ _C_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "c10::Half"
 def _check_value_fits(value, dt):
     """torch's fill checks that a floating value converts to the tensor's dtype without
     overflow; a Python float is a runtime input here, so the check runs with the computation."""
-    if not _is_float(value.dtype) or dt == jnp.bool_ or dt == jnp.float64:
+    if not common.is_float(value.dtype) or dt == jnp.bool_ or dt == jnp.float64:
         return
     value = value.astype(jnp.float64)
-    if _is_float(dt):
+    if common.is_float(dt):
         overflow = jnp.isfinite(value) & (jnp.abs(value) > float(jnp.finfo(dt).max))
     else:
         info = jnp.iinfo(dt)
@@ -850,22 +706,20 @@ def _check_value_fits(value, dt):
     runtime_check(overflow, RuntimeError, f"value cannot be converted to type {name} without overflow")
 
 
-@lowering(aten.fill.Scalar, aten.fill.Tensor, check=_check)
+@lowering(aten.fill.Scalar, aten.fill.Tensor, check=common.check)
 def fill(ctx, x, value):
     value = jnp.asarray(value)
     _check_value_fits(value, ctx.out_dtype)
-    return jnp.broadcast_to(_convert(value, ctx.out_dtype), x.shape)
+    return jnp.broadcast_to(common.convert(value, ctx.out_dtype), x.shape)
 
 
-@lowering(aten._conj_physical.default, check=_supported_dtypes)
+@lowering(aten._conj_physical.default, check=common.supported_dtypes)
 def conj_physical(ctx, x):
     # complex conjugate, exact; the identity for real dtypes
     return jnp.conj(x) if jnp.iscomplexobj(x) else x
 
 
-@lowering(aten.zero.default, check=_dtype_reason)
+@lowering(aten.zero.default, check=common.dtype_reason)
 def zero(ctx, x):
     return jnp.zeros(x.shape, ctx.out_dtype)
 
-
-from . import activation  # noqa: E402,F401  (registers the activation lowerings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import common
 from . import pointwise as _pw
 from .registry import LOWERINGS, lowering
 from .._lazy import late, lazy_import
@@ -26,7 +27,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-_supported = _pw._supported_dtypes
+_supported = common.supported_dtypes
 
 
 def _is_complex_call(ctx) -> bool:
@@ -36,7 +37,7 @@ def _is_complex_call(ctx) -> bool:
 # -- casts and copies ------------------------------------------------------------------------------
 @lowering(prims.convert_element_type.default, check=_supported)
 def convert_element_type(ctx, x, dtype):
-    return _pw._convert_any(x, ctx.out_dtype)
+    return common.convert_any(x, ctx.out_dtype)
 
 
 @lowering(prims.clone.default, check=_supported)
@@ -107,7 +108,7 @@ def _register_twins():
 _register_twins()
 
 
-@lowering(prims.div.default, check=_pw._check)
+@lowering(prims.div.default, check=common.check)
 def div(ctx, x, y):
     # true division for floats; integers truncate (C division), as prims.div says
     if jnp.issubdtype(jnp.dtype(ctx.out_dtype), jnp.floating):

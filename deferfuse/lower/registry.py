@@ -2,6 +2,8 @@
 
 A lowering is small immutable data: the rule and an optional checker.  Rules are registered with
 ``@lowering(aten.x.y, ...)``; registering an overload twice raises ``DuplicateLoweringError``.
+This module is the table only and imports no family; ``table`` loads the families and answers
+lookups (``table.get_lowering``, ``table.get_shape_rule``).
 
 A rule is called while tracing under ``jax.jit`` as ``rule(ctx, *args, **kwargs)``, where the
 args mirror the aten call: tensors become JAX arrays, lists of tensors lists of arrays, and every
@@ -73,11 +75,6 @@ def lowering(*ops: torch._ops.OpOverload, check: Optional[Checker] = None,
     return register
 
 
-def get_lowering(op: torch._ops.OpOverload) -> Optional[Lowering]:
-    _load_families()
-    return LOWERINGS.get(op)
-
-
 # Output metadata of ops that have no meta kernel (geqrf, histogram): called with the call's
 # arguments as meta tensors, a rule returns what torch's kernel would (meta tensors of the output
 # shapes and dtypes), or raises NotImplementedError where only the real kernel can say.
@@ -99,17 +96,6 @@ def shape_rule(*ops: torch._ops.OpOverload) -> Callable[[ShapeRule], ShapeRule]:
     return register
 
 
-def get_shape_rule(op: torch._ops.OpOverload) -> Optional[ShapeRule]:
-    _load_families()
-    return SHAPE_RULES.get(op)
-
-
-@functools.cache
-def _load_families() -> None:
-    # Importing a family module registers its rules.
-    from . import families  # noqa: F401
-
-
 # Value-dependent checks registered by rules while a program is traced (see runtime_check).
 class CheckCollector:
     __slots__ = ("op", "items")
@@ -119,7 +105,9 @@ class CheckCollector:
         self.items: list[tuple[Any, type, str, Any]] = []
 
 
-_CHECK_COLLECTORS: list[CheckCollector] = []
+# The collectors of the rules being traced, innermost last: the runner pushes one per step
+# (``CheckCollector(op)``) around the call of its rule and reads its items after.
+CHECK_COLLECTORS: list[CheckCollector] = []
 
 
 def runtime_check(failed: Any, error: type, message: str, value: Any = None) -> None:
@@ -131,13 +119,13 @@ def runtime_check(failed: Any, error: type, message: str, value: Any = None) -> 
     recorded the op.  ``{value}`` in the message is replaced by the first element of ``value``
     (same shape as ``failed``) where the check failed.
     """
-    if not _CHECK_COLLECTORS:
+    if not CHECK_COLLECTORS:
         return
     failed = jnp.asarray(failed).reshape(-1)
     if value is not None:
         first = jnp.argmax(failed) if failed.size else 0
         value = jnp.asarray(value).reshape(-1)[first].astype(jnp.int64) if failed.size else jnp.int64(0)
-    _CHECK_COLLECTORS[-1].items.append((jnp.any(failed), error, message, value))
+    CHECK_COLLECTORS[-1].items.append((jnp.any(failed), error, message, value))
 
 
 # Which exception torch's CPU kernels raise for an out-of-range index, by op name.
@@ -152,9 +140,9 @@ _TERSE_INDEX_OPS = frozenset({"index_select", "embedding", "index_reduce"})
 def bounds_check(index: Any, size: int, dim: int) -> None:
     """Register torch's out-of-range error for ``index`` into a dim of ``size`` (negative indices
     from -size are allowed), with torch's exception type for the op being lowered."""
-    if not _CHECK_COLLECTORS:
+    if not CHECK_COLLECTORS:
         return
-    op = _CHECK_COLLECTORS[-1].op
+    op = CHECK_COLLECTORS[-1].op
     name = op._schema.name.split("::")[-1].rstrip("_") if hasattr(op, "_schema") else str(op)
     if name.startswith("_unsafe"):
         return  # torch does not check these either: callers guarantee (or mask) the range

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import pointwise as _pw
+from . import common
 from . import xla_fixes
 from .registry import lowering
 from .._lazy import lazy_import
@@ -39,14 +39,12 @@ lax = lazy_import("jax.lax", globals(), "lax")
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_check = _pw._check
-
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _operands(ctx, x, n):
     """x and n in torch's computation dtype, broadcast; n truncated to int64 as C++ does."""
-    x, n = jnp.broadcast_arrays(*_pw._through(ctx.out_dtype, x, n))
-    return x, _pw._convert(n, jnp.int64)
+    x, n = jnp.broadcast_arrays(*common.through(ctx.out_dtype, x, n))
+    return x, common.convert(n, jnp.int64)
 
 
 def _f(dt, v):
@@ -224,9 +222,9 @@ def _overloads(packet):
 
 
 for _kind in "tuvw":
-    lowering(*_overloads(getattr(aten, f"special_chebyshev_polynomial_{_kind}")), check=_check)(
+    lowering(*_overloads(getattr(aten, f"special_chebyshev_polynomial_{_kind}")), check=common.check)(
         _chebyshev_rule(_kind, False))
-    lowering(*_overloads(getattr(aten, f"special_shifted_chebyshev_polynomial_{_kind}")), check=_check)(
+    lowering(*_overloads(getattr(aten, f"special_shifted_chebyshev_polynomial_{_kind}")), check=common.check)(
         _chebyshev_rule(_kind, True))
 
 
@@ -235,7 +233,7 @@ def _hermite_limit(dt):
     return 128 if jnp.dtype(dt) == jnp.float32 else 512
 
 
-@lowering(*_overloads(aten.special_hermite_polynomial_h), check=_check)
+@lowering(*_overloads(aten.special_hermite_polynomial_h), check=common.check)
 def hermite_polynomial_h(ctx, x, n):
     x, n = _operands(ctx, x, n)
     dt = x.dtype
@@ -247,7 +245,7 @@ def hermite_polynomial_h(ctx, x, n):
     return _cases(value, (n < 0, 0.0), (n == 0, 1.0), (n == 1, x + x), (too_big, jnp.nan))
 
 
-@lowering(*_overloads(aten.special_hermite_polynomial_he), check=_check)
+@lowering(*_overloads(aten.special_hermite_polynomial_he), check=common.check)
 def hermite_polynomial_he(ctx, x, n):
     x, n = _operands(ctx, x, n)
     dt = x.dtype
@@ -257,7 +255,7 @@ def hermite_polynomial_he(ctx, x, n):
     return _cases(value, (n < 0, 0.0), (n == 0, 1.0), (n == 1, x), (too_big, jnp.nan))
 
 
-@lowering(*_overloads(aten.special_laguerre_polynomial_l), check=_check)
+@lowering(*_overloads(aten.special_laguerre_polynomial_l), check=common.check)
 def laguerre_polynomial_l(ctx, x, n):
     x, n = _operands(ctx, x, n)
     dt = x.dtype
@@ -266,12 +264,12 @@ def laguerre_polynomial_l(ctx, x, n):
 
     def step(j, p, q):
         k = j + 1
-        return _pw._divide((_f(dt, k + k) + (1 - x)) * q - _f(dt, k) * p, _f(dt, k + 1))
+        return common.divide((_f(dt, k + k) + (1 - x)) * q - _f(dt, k) * p, _f(dt, k + 1))
     value = _recurrence(steps, jnp.ones_like(x), 1 - x, step)
     return _cases(value, (n < 0, 0.0), (zero, 1.0), (n == 0, 1.0), (n == 1, 1 - x))
 
 
-@lowering(*_overloads(aten.special_legendre_polynomial_p), check=_check)
+@lowering(*_overloads(aten.special_legendre_polynomial_p), check=common.check)
 def legendre_polynomial_p(ctx, x, n):
     x, n = _operands(ctx, x, n)
     dt = x.dtype
@@ -281,7 +279,7 @@ def legendre_polynomial_p(ctx, x, n):
 
     def step(j, p, q):
         k = j + 1
-        return _pw._divide(_f(dt, k + k + 1) * x * q - _f(dt, k) * p, _f(dt, k + 1))
+        return common.divide(_f(dt, k + k + 1) * x * q - _f(dt, k) * p, _f(dt, k + 1))
     value = _recurrence(steps, one, x, step)
     at_unit = jnp.where((x > 0) | (n % 2 == 0), one, -one)
     return _cases(value, (n < 0, 0.0), (unit, at_unit), (n == 0, 1.0), (n == 1, x))
@@ -508,7 +506,7 @@ def _chbevl(y, coefficients):
 
 def _div(x, y):
     """x / y for a scalar y, rounded once (XLA would multiply by the rounded reciprocal)."""
-    return _pw._divide(x, jnp.asarray(y, x.dtype))
+    return common.divide(x, jnp.asarray(y, x.dtype))
 
 
 def _over_sqrt(a, x):
@@ -687,7 +685,7 @@ for _op, _fn in {
     aten.special_scaled_modified_bessel_k1.default: lambda x: _bessel_k(x, 1, scaled=True),
     aten.special_airy_ai.default: _airy_ai,
 }.items():
-    lowering(_op, check=_check)(_pw._float_unary_rule(_fn))
+    lowering(_op, check=common.check)(common.float_unary_rule(_fn))
 
 
 def _frexp(x):
@@ -714,11 +712,11 @@ def _frexp(x):
 
 
 def _frexp_check(ctx):
-    reason = _pw._dtype_reason(ctx)
+    reason = common.dtype_reason(ctx)
     if reason is None and ctx.tensor_args()[0].dtype not in (torch.float32, torch.float64):
         return "frexp of float16/bfloat16 is not lowered"
     if reason is None:
-        _pw._probe(ctx)
+        common.probe(ctx)
     return reason
 
 
