@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import config, processes
+from . import config
 from .errors import LoweringError
-from .exec import autotune, executables, replay, runner
+from .exec import autotune, backend, executables, replay, runner
 from .exec.executables import compiles_pending, wait_for_compiles
 from .exec.profiling import profile_range
 from .ir.graph import Node, Value
@@ -61,7 +61,7 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
             record.ran(group, "torch")
             if group.reason is SplitReason.LONE_OP and on_lone is not None:
                 _learn_lone(group.nodes, on_lone)
-        elif replay.should_replay_eagerly(group.nodes) or processes.forked_after_xla():
+        elif replay.should_replay_eagerly(group.nodes) or backend.forked_after_xla:
             # (a child forked after JAX started: its XLA may deadlock; deferfuse/processes.py)
             results = replay.execute_eager(group.nodes, group.outputs)
             record.ran(group, "eager replay")

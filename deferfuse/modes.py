@@ -186,7 +186,7 @@ def _discard_defer(handle) -> None:
 
 def _push(kind: EagerMode) -> object:
     """Put a new DeferMode or DebugMode on top of torch's dispatch stack."""
-    processes.install()
+    processes.install(active_recorder, reset_after_fork)
     modules.install(active_recorder)
     if kind is EagerMode.DEFER:
         handle = _start_defer()

@@ -37,35 +37,42 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from .capture.dispatch_keys import no_dispatch
 from .errors import FlushReason
+from .exec import backend
 from .stats import STATS
 
 log = logging.getLogger("deferfuse")
 
 _installed = False
 _install_lock = threading.Lock()
-_forked_after_xla = False    # this process is a forked child of one that had imported JAX
 _warned_defer_at_once = False
+# modes' functions, handed in by install(): this module sits beside modes, which imports it
+_active_recorder: Callable[[], Any] = lambda: None
+_reset_modes: Callable[[], None] = lambda: None
 
 
 def forked_after_xla() -> bool:
     """Whether this process was forked from one that had imported JAX: XLA is not used here."""
-    return _forked_after_xla
+    return backend.forked_after_xla
 
 
-def install() -> None:
+def install(active_recorder: Callable[[], Any], reset_modes: Callable[[], None]) -> None:
     """Register the fork handlers, the pickling reduction and the computing ``Queue.put``,
-    once per process (called when deferfuse first pushes a mode)."""
-    global _installed
+    once per process (called when deferfuse first pushes a mode).  ``active_recorder`` and
+    ``reset_modes`` are modes' (the recorder of this thread's innermost defer block; leaving
+    every mode after a fork)."""
+    global _installed, _active_recorder, _reset_modes
     if _installed:
         return
     with _install_lock:
         if _installed:
             return
+        _active_recorder, _reset_modes = active_recorder, reset_modes
         import multiprocessing.queues
         import multiprocessing.reduction
         from .capture.tensor import DeferredTensor
@@ -84,9 +91,7 @@ def install() -> None:
 
 # -- fork -----------------------------------------------------------------------------------------
 def _before_fork() -> None:
-    from . import modes
-    from .capture.dispatch_keys import no_dispatch
-    recorder = modes.active_recorder()
+    recorder = _active_recorder()
     if recorder is None or torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python):
         return   # (nothing pending here, or a fork from inside deferfuse's own machinery)
     try:
@@ -98,12 +103,11 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _forked_after_xla, _warned_defer_at_once
+    global _warned_defer_at_once
     # (JAX's backend starts threads; importing it is where deferfuse's use of XLA begins)
-    _forked_after_xla = _forked_after_xla or "jax" in sys.modules
+    backend.forked_after_xla = backend.forked_after_xla or "jax" in sys.modules
     _warned_defer_at_once = False
-    from . import modes
-    modes.reset_after_fork()
+    _reset_modes()
     executables = sys.modules.get("deferfuse.exec.executables")
     if executables is not None:   # (not imported: nothing compiled, nothing to forget)
         executables.after_fork_in_child()
@@ -124,7 +128,6 @@ def note_defer_at_once() -> None:
 def _reduce_deferred(t: torch.Tensor):
     """ForkingPickler's reduction of a DeferredTensor: torch's reduction of its data."""
     from torch.multiprocessing.reductions import reduce_tensor
-    from .capture.dispatch_keys import no_dispatch
     if t.requires_grad and not t.is_leaf:
         return reduce_tensor(t)   # (raises torch's error: autograd does not cross processes)
     with no_dispatch():
@@ -144,10 +147,8 @@ def _copying_unrecorded(original):
     writes into the storage are written back before: reading a storage of a deferred tensor
     computes it, and a plain tensor's untyped_storage() writes its pending contents back.)"""
     def share(self, *args, **kwargs):
-        from . import modes
-        if modes.active_recorder() is None:
+        if _active_recorder() is None:
             return original(self, *args, **kwargs)
-        from .capture.dispatch_keys import no_dispatch
         with no_dispatch():
             return original(self, *args, **kwargs)
     _like(share, original)
@@ -160,7 +161,6 @@ def _computing_to_dlpack(original):
     def to_dlpack(tensor):
         from .capture.tensor import DeferredTensor
         if isinstance(tensor, DeferredTensor):
-            from .capture.dispatch_keys import no_dispatch
             with no_dispatch():
                 tensor = tensor._materialize(FlushReason.DATA_PTR)
         return original(tensor)
@@ -190,12 +190,10 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 def _computing_put(original):
     def put(self, obj, block=True, timeout=None):
-        from . import modes
-        recorder = modes.active_recorder()
+        recorder = _active_recorder()
         if recorder is not None:
             tensors = _tensors(obj)
             if tensors:
-                from .capture.dispatch_keys import no_dispatch
                 with no_dispatch():
                     recorder.realize(tensors, FlushReason.SERIALIZE)
         return original(self, obj, block, timeout)

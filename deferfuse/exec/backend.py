@@ -44,6 +44,9 @@ _MMAP_THRESHOLD = 256 << 20
 _TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # (mallopt's parameter numbers, malloc.h)
 _prepared = False
+# this process is a forked child of one that had imported JAX, whose XLA may deadlock here: the
+# engine replays graphs with torch's kernels instead (set by deferfuse/processes.py's fork handler)
+forked_after_xla = False
 malloc_tuned = False   # whether prepare() set malloc's thresholds in this process
 _lock = threading.Lock()
 
