@@ -159,10 +159,12 @@ _declare("check_nans", bool, False,
 class _State(threading.local):
     def __init__(self) -> None:
         self.overrides: list[dict[str, Any]] = []
+        self.shortcuts: tuple = (-1, None)   # (settings generation, Shortcuts) last derived here
 
 
 _global_values: dict[str, Any] = {}
 _state = _State()
+_generation = 0   # bumped by every set() and override (in any thread): derived values go stale
 
 
 def _initial(setting: Setting) -> Any:
@@ -206,21 +208,77 @@ def _checked(name: str, value: Any) -> Any:
 
 
 def set(name: str, value: Any) -> None:  # noqa: A001 - mirrors get()
+    global _generation
     _global_values[name] = _checked(name, value)
+    _generation += 1
 
 
 @contextlib.contextmanager
 def override(**values: Any) -> Iterator[None]:
+    global _generation
     layer = {name: _checked(name, value) for name, value in values.items()}
     _state.overrides.append(layer)
+    _generation += 1
     try:
         yield
     finally:
         _state.overrides.remove(layer)
+        _generation += 1
 
 
 def settings() -> dict[str, Setting]:
     return dict(_SETTINGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shortcuts:
+    """The eager shortcuts in force: where work runs at once in torch, replays eagerly, or waits
+    for XLA.  Derived from the settings in one place, with their "X overrides Y" rules applied
+    (``always_compile`` turns every shortcut off; ``eager_first_runs=0`` turns off running
+    unseen ops at once, which only pays while a graph's first runs are eager anyway;
+    ``eager_lone_ops`` needs ``lone_op_on_torch``, since a lone flush runs on torch's kernel
+    only then).  Nothing else combines shortcut settings."""
+    always_compile: bool
+    unseen_ops_at_once: bool      # eager_unseen_ops
+    lone_ops_at_once: bool        # eager_lone_ops
+    host_scalars_at_once: bool    # host_scalars_at_once
+    blocks_timed: bool            # eager_blocks
+    lone_op_on_torch: bool        # a one-op flush on torch's kernel (the planner's policy)
+    small_flush_nodes: int        # eager_small_flush (0: off)
+    tiny_graphs_replay: bool      # graphs of one-element tensors replay eagerly
+    eager_first_runs: int         # runs of a new signature replayed before XLA (0: compile at once)
+    background_compile: bool      # compile off the critical path while runs replay
+    autotune_engine: bool         # keep a graph on torch's kernels when they measured faster
+
+
+def shortcuts() -> Shortcuts:
+    """The shortcuts the settings now in force (this thread's overrides too) give; derived again
+    only after a setting changed (asked several times per flush)."""
+    generation, derived = _state.shortcuts
+    current = _generation   # (read before deriving: a change meanwhile makes the next call derive again)
+    if generation != current:
+        derived = _derive_shortcuts()
+        _state.shortcuts = (current, derived)
+    return derived
+
+
+def _derive_shortcuts() -> Shortcuts:
+    if get("always_compile"):
+        return Shortcuts(True, False, False, False, False, False, 0, False, 0, False, False)
+    first_runs = get("eager_first_runs")
+    lone_on_torch = get("lone_op_on_torch")
+    return Shortcuts(
+        always_compile=False,
+        unseen_ops_at_once=get("eager_unseen_ops") and first_runs > 0,
+        lone_ops_at_once=get("eager_lone_ops") and lone_on_torch,
+        host_scalars_at_once=get("host_scalars_at_once"),
+        blocks_timed=get("eager_blocks"),
+        lone_op_on_torch=lone_on_torch,
+        small_flush_nodes=get("eager_small_flush"),
+        tiny_graphs_replay=True,
+        eager_first_runs=first_runs,
+        background_compile=get("background_compile") and first_runs > 0,
+        autotune_engine=get("autotune_engine"))
 
 
 def compile_key() -> tuple:

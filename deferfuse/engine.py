@@ -38,10 +38,11 @@ log = logging.getLogger("deferfuse")
 
 def placement_policy() -> Policy:
     """The partitioner's policy, from the settings now in force (this thread's overrides too)."""
-    return Policy(always_compile=config.get("always_compile"),
+    shortcuts = config.shortcuts()
+    return Policy(always_compile=shortcuts.always_compile,
                   compute_engine=config.get("compute_engine"),
                   fusion_fuel=config.get("fusion_fuel"),
-                  lone_op_on_torch=config.get("lone_op_on_torch"),
+                  lone_op_on_torch=shortcuts.lone_op_on_torch,
                   machine_balance=cost.machine_balance(config.get("peak_gflops"),
                                                        config.get("memory_bandwidth_gbs")))
 
@@ -87,7 +88,7 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
 def _learn_lone(nodes: list[Node], on_lone: Callable[[Any, Any], None]) -> None:
     """A lone op's flush ran on torch's kernel: at the place that recorded it, the recorder
     may run it at once next time (eager_lone_ops)."""
-    if not config.get("eager_lone_ops"):
+    if not config.shortcuts().lone_ops_at_once:
         return
     for node in nodes:
         # (a node the front end recorded from an aten call carries its lowering entry; the

@@ -261,7 +261,7 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
     if target is EagerMode.DEFER:
         if processes.forked_after_xla():
             processes.note_defer_at_once()
-        elif not live and config.get("eager_blocks") and not config.get("always_compile"):
+        elif not live and config.shortcuts().blocks_timed:
             block = blocks.choice_at(_with_statement_frame())
             started = blocks.clock()
             if block.runs_at_once:

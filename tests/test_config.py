@@ -37,3 +37,24 @@ def test_overrides_belong_to_their_thread():
         worker.start()
         worker.join()
     assert seen == [base]
+
+
+def test_shortcuts_apply_their_override_rules_in_one_place():
+    # always_compile turns every eager shortcut off
+    with config.override(always_compile=True):
+        s = config.shortcuts()
+        assert s.always_compile and not any([s.unseen_ops_at_once, s.lone_ops_at_once, s.host_scalars_at_once,
+                                            s.blocks_timed, s.lone_op_on_torch, s.tiny_graphs_replay,
+                                            s.background_compile, s.autotune_engine])
+        assert s.small_flush_nodes == 0 and s.eager_first_runs == 0
+    # compiling at first sight: no unseen op runs at once, nothing compiles in the background
+    with config.override(always_compile=False, eager_first_runs=0, eager_unseen_ops=True, background_compile=True):
+        s = config.shortcuts()
+        assert not s.unseen_ops_at_once and not s.background_compile
+    # an op runs at once where its flush was lone only if a lone flush runs on torch's kernel
+    with config.override(always_compile=False, eager_lone_ops=True, lone_op_on_torch=False):
+        assert not config.shortcuts().lone_ops_at_once
+    with config.override(always_compile=False, eager_lone_ops=True, lone_op_on_torch=True,
+                         eager_blocks=True, eager_first_runs=2, eager_small_flush=5):
+        s = config.shortcuts()
+        assert s.lone_ops_at_once and s.blocks_timed and s.eager_first_runs == 2 and s.small_flush_nodes == 5

@@ -81,11 +81,10 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin):
         self.pending_nodes = 0
         self.record_source = config.get("record_source")
         self.max_pending = config.get("max_pending_nodes")
-        self.eager_unseen = (config.get("eager_unseen_ops") and not config.get("always_compile")
-                             and config.get("eager_first_runs") > 0)
-        self.eager_lone = (config.get("eager_lone_ops") and config.get("lone_op_on_torch")
-                           and not config.get("always_compile"))
-        self.host_scalars = config.get("host_scalars_at_once") and not config.get("always_compile")
+        shortcuts = config.shortcuts()
+        self.eager_unseen = shortcuts.unseen_ops_at_once
+        self.eager_lone = shortcuts.lone_ops_at_once
+        self.host_scalars = shortcuts.host_scalars_at_once
         # id(plain tensor) -> (weak ref, entry, site) of results of ops run at once where their
         # flushes were lone: one of them feeding a recorded op means that place fuses again
         self.at_once: dict[int, tuple] = {}

@@ -42,8 +42,7 @@ def observe_eager_time(sig: Any, seconds: float) -> None:
         bounded(_EAGER_SECONDS)[sig] = min(seconds, _EAGER_SECONDS.get(sig, seconds))
 
 def observe_xla_time(sig: Any, seconds: float) -> None:
-    if sig in _CHOICE or sig not in _EAGER_SECONDS or not config.get("autotune_engine") \
-            or config.get("always_compile"):
+    if sig in _CHOICE or sig not in _EAGER_SECONDS or not config.shortcuts().autotune_engine:
         return
     samples = _XLA_SECONDS.setdefault(sig, [])
     samples.append(seconds)

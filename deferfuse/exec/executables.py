@@ -234,10 +234,9 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
         STATS.cache_hits += 1
         _EXECUTABLES.move_to_end(sig)
         return compiled
-    eager_tier = not config.get("always_compile")
+    shortcuts = config.shortcuts()
     runs = _SEEN.get(sig, 0)
-    first_runs = config.get("eager_first_runs")
-    if eager_tier and runs < first_runs:
+    if runs < shortcuts.eager_first_runs:
         # a graph seen once may never come back (a one-off script): no compile yet, and no
         # disk cache either (loading an executable means importing JAX, about a second)
         STATS.cache_misses += 1
@@ -252,12 +251,11 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
         _store(sig, compiled)
         return compiled
     STATS.cache_misses += 1
-    if eager_tier:
-        if config.get("background_compile") and first_runs > 0:
-            # it came back: compile it off the critical path, keep running eagerly meanwhile
-            _schedule(sig, make_program, leaf_avals(leaves), n_scalars)
-            _SEEN[sig] = runs + 1
-            return None
+    if shortcuts.background_compile:
+        # it came back: compile it off the critical path, keep running eagerly meanwhile
+        _schedule(sig, make_program, leaf_avals(leaves), n_scalars)
+        _SEEN[sig] = runs + 1
+        return None
     _SEEN.pop(sig, None)
     return _compile_and_store(sig, make_program(), leaf_avals(leaves), n_scalars)
 

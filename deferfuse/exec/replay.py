@@ -109,9 +109,9 @@ def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -
 
 def should_replay_eagerly(nodes: list[Node]) -> bool:
     """Scalar bookkeeping (graphs of tiny tensors) runs eagerly rather than paying a compile."""
-    if config.get("always_compile"):
-        return False
-    limit = config.get("eager_small_flush")
+    shortcuts = config.shortcuts()
+    limit = shortcuts.small_flush_nodes
     if limit and len(nodes) <= limit:
         return True
-    return all(m.numel <= 1 for n in nodes for m in n.out_metas) and len(nodes) <= 64
+    return shortcuts.tiny_graphs_replay and len(nodes) <= 64 \
+        and all(m.numel <= 1 for n in nodes for m in n.out_metas)
