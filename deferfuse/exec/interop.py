@@ -20,7 +20,7 @@ jax = lazy_import("jax", globals(), "jax")
 # which is what a graph input means here: the flush reads the tensor as it is now.
 _VIEWS: dict[int, tuple] = {}
 
-# (torch's own method: recorder._READ_PATCHES wraps Tensor.data_ptr while defer blocks write plain tensors)
+# (torch's own method: capture/patches.py's READ_PATCHES wraps Tensor.data_ptr while defer blocks write plain tensors)
 _data_ptr = torch._C.TensorBase.data_ptr
 
 
