@@ -21,9 +21,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..ir.graph import RuntimeScalar
 from ..ir.meta import TensorMeta
 from ..lower import dtypes as _dtypes
-from ..lower.registry import Lowering, LoweringContext, RuntimeScalar
+from ..lower.registry import Lowering, LoweringContext
 from ..lower.table import get_lowering, get_shape_rule
 from ..stats import STATS
 from .dynamo_free import no_dynamo_import

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..lower.registry import RuntimeScalar
+from ..ir.graph import RuntimeScalar
 
 
 SCALARS: dict[float, RuntimeScalar] = {}

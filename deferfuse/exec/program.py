@@ -19,9 +19,9 @@ import torch
 from .. import config
 from ..errors import LoweringError
 from ..ir import graph
-from ..ir.graph import Node, Value
+from ..ir.graph import Node, RuntimeScalar, Value
 from ..lower import dtypes as dtypes_
-from ..lower.registry import CHECK_COLLECTORS, CheckCollector, RuntimeScalar
+from ..lower.registry import CHECK_COLLECTORS, CheckCollector
 from ..lower.views import internal_rule
 from ..plan import cost
 from .._lazy import lazy_import

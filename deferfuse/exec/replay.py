@@ -12,8 +12,7 @@ import torch
 
 from .. import config
 from ..ir import graph
-from ..ir.graph import Node, Value
-from ..lower.registry import RuntimeScalar
+from ..ir.graph import Node, RuntimeScalar, Value
 from ..stats import STATS
 from .program import source_suffix
 

@@ -48,6 +48,18 @@ BITS = InternalOp("bits")                    # (value, conj, neg) -> what a tens
                                              # lazy bits reads: -conj(value) with both
 
 
+class RuntimeScalar:
+    """Marks a Python float that is passed to the compiled computation at run time."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"RuntimeScalar({self.value!r})"
+
+
 class Value:
     """One output of a node: metadata now, data (``result``) once computed."""
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import DuplicateLoweringError
+from ..ir.graph import RuntimeScalar
 from ..ir.meta import TensorMeta
 from . import dtypes as _dtypes
 from .._lazy import lazy_import
@@ -188,18 +189,6 @@ def replay_on_cpu(ctx: "LoweringContext", *, empty: bool = False) -> str:
         warnings.simplefilter("ignore")
         ctx.op(*stand_in(ctx.args), **{k: stand_in(v) for k, v in ctx.kwargs.items()})
     return "the meta and CPU kernels disagree on this call"
-
-
-class RuntimeScalar:
-    """Marks a Python float that is passed to the compiled computation at run time."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: float) -> None:
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"RuntimeScalar({self.value!r})"
 
 
 def _meta_arg(a: Any) -> Any:
