@@ -121,6 +121,11 @@ _declare("eager_blocks", bool, True,
          "against at once (as strict: no mode, plain tensors), and run its blocks the faster way; "
          "measured again from time to time and when a run's time drifts.  Only outermost defer "
          "blocks; always_compile turns it off.  See deferfuse/exec/blocks.py.")
+_declare("eager_segments", bool, True,
+         "Under a default defer mode (TORCHTPU_MODE=defer, set_mode('defer')), where no `with` "
+         "block marks the work, time what runs between two reads of a value (`.item()`, "
+         "`bool()`) by the place of the read that starts it, deferred against at once, and run "
+         "it the faster way, as eager_blocks does for `with` blocks.  always_compile overrides.")
 _declare("background_compile", bool, True,
          "Compile new signatures on a background thread, so an eager run never waits for XLA.")
 _declare("xla_cpu_async_dispatch", bool, False,
@@ -243,6 +248,7 @@ class Shortcuts:
     lone_ops_at_once: bool        # eager_lone_ops
     host_scalars_at_once: bool    # host_scalars_at_once
     blocks_timed: bool            # eager_blocks
+    segments_timed: bool          # eager_segments
     lone_op_on_torch: bool        # a one-op flush on torch's kernel (the planner's policy)
     small_flush_nodes: int        # eager_small_flush (0: off)
     tiny_graphs_replay: bool      # graphs of one-element tensors replay eagerly
@@ -264,7 +270,7 @@ def shortcuts() -> Shortcuts:
 
 def _derive_shortcuts() -> Shortcuts:
     if get("always_compile"):
-        return Shortcuts(True, False, False, False, False, False, 0, False, 0, False, False)
+        return Shortcuts(True, False, False, False, False, False, False, 0, False, 0, False, False)
     first_runs = get("eager_first_runs")
     lone_on_torch = get("lone_op_on_torch")
     return Shortcuts(
@@ -273,6 +279,7 @@ def _derive_shortcuts() -> Shortcuts:
         lone_ops_at_once=get("eager_lone_ops") and lone_on_torch,
         host_scalars_at_once=get("host_scalars_at_once"),
         blocks_timed=get("eager_blocks"),
+        segments_timed=get("eager_segments"),
         lone_op_on_torch=lone_on_torch,
         small_flush_nodes=get("eager_small_flush"),
         tiny_graphs_replay=True,

@@ -339,6 +339,8 @@ def set_mode(m: ModeLike) -> None:
         processes.note_defer_at_once()
     elif target is not EagerMode.STRICT:
         _stack.default_handle = _push(target)
+        if target is EagerMode.DEFER and config.shortcuts().segments_timed:
+            _stack.default_handle.recorder.segments = blocks.Segments()
 
 
 def reset_after_fork() -> None:

@@ -21,6 +21,9 @@ os.environ.setdefault("DEFERFUSE_EAGER_LONE_OPS", "0")
 # a test's loop would stop recording after its first few runs, and whether it did would depend on
 # this machine's load.  tests/test_blocks.py checks it, on a fake clock.
 os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
+# And under a default defer mode, the work between two reads of a value (eager_segments), timed
+# the same way: tests/test_segments.py checks it, on a fake clock.
+os.environ.setdefault("DEFERFUSE_EAGER_SEGMENTS", "0")
 
 # Hypothesis profiles: ``default`` (the normal run, well under a few minutes on 2 cores) and
 # ``deep`` (``HYPOTHESIS_PROFILE=deep``, as ``make test-deep`` does).  The program suite in

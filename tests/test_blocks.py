@@ -348,3 +348,27 @@ def test_overlapping_ways_are_measured_longer_before_choosing():
     runs = _feed(choice, [1.0, 1.3, 1.0, 1.3, 1.2] + [1.0] * 10, [1.1, 1.1, 1.1, 1.4, 1.4] + [1.5] * 10)
     assert 2 * blocks.SAMPLES < runs <= 2 * blocks.MAX_SAMPLES
     assert choice.phase is Phase.DEFERRED
+
+
+def test_a_recheck_of_a_choice_made_on_unsettled_runs_holds_while_they_stay_unsettled():
+    """generate() under the default mode: each decoding step meets new shapes, so its deferred
+    runs never settle and it chose at once; measuring again would compile again at every
+    recheck (seconds of background compiles on a 2-core machine).  A recheck's first unsteady
+    deferred run keeps the choice, checked half as often; a steady one measures again."""
+    choice = blocks.BlockChoice("here:4")
+    for _ in range(blocks.UNSTEADY_UNTIMED):
+        choice.finished(2.0, False)
+    while choice.phase in (Phase.MEASURE_DEFERRED, Phase.MEASURE_AT_ONCE):
+        choice.finished(2.0 if choice.phase is Phase.MEASURE_DEFERRED else 1.0, choice.phase is Phase.MEASURE_AT_ONCE)
+    assert choice.phase is Phase.AT_ONCE and choice.unsettled and choice.recheck == blocks.FIRST_RECHECK
+    median = choice.median
+    for _ in range(blocks.FIRST_RECHECK):
+        choice.finished(1.0, True)
+    assert choice.phase is Phase.MEASURE_DEFERRED
+    choice.finished(2.0, False)          # still meets new graphs
+    assert choice.phase is Phase.AT_ONCE and choice.recheck == 2 * blocks.FIRST_RECHECK
+    assert choice.median == median and len(choice.at_once) == blocks.SAMPLES
+    for _ in range(2 * blocks.FIRST_RECHECK):
+        choice.finished(1.0, True)
+    choice.finished(0.5, True)           # settled now (compiled): measured again
+    assert choice.phase is Phase.MEASURE_AT_ONCE and choice.deferred == [0.5]

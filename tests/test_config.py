@@ -44,7 +44,7 @@ def test_shortcuts_apply_their_override_rules_in_one_place():
     with config.override(always_compile=True):
         s = config.shortcuts()
         assert s.always_compile and not any([s.unseen_ops_at_once, s.lone_ops_at_once, s.host_scalars_at_once,
-                                            s.blocks_timed, s.lone_op_on_torch, s.tiny_graphs_replay,
+                                            s.blocks_timed, s.segments_timed, s.lone_op_on_torch, s.tiny_graphs_replay,
                                             s.background_compile, s.autotune_engine])
         assert s.small_flush_nodes == 0 and s.eager_first_runs == 0
     # compiling at first sight: no unseen op runs at once, nothing compiles in the background

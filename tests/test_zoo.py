@@ -74,3 +74,19 @@ def test_zoo_model_with_the_default_settings(name, user_defaults):
     expected = run(model, contextlib.nullcontext, steps=5)
     actual = run(model, deferfuse.defer, steps=5, calls=user_defaults.calls)
     assert_same_run(expected, actual)
+
+
+@pytest.mark.parametrize("user_defaults", ["measuring"], indirect=True)
+def test_llama_under_the_default_mode_with_the_default_settings(user_defaults):
+    """As ``TORCHTPU_MODE=defer python train.py`` runs it: no ``with`` block, the segment tier
+    (eager_segments) choosing per place of each ``.item()``, training then generate()."""
+    from deferfuse.exec import blocks
+    model = zoo.MODELS["llama"]
+    expected = run(model, contextlib.nullcontext, steps=5)
+    deferfuse.set_mode("defer")
+    try:
+        actual = run(model, contextlib.nullcontext, steps=5, calls=user_defaults.calls)
+    finally:
+        deferfuse.set_mode("strict")
+    assert_same_run(expected, actual)
+    assert [c for c in blocks.choices() if "reads starting segments" in c.place]

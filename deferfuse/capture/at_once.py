@@ -126,6 +126,18 @@ class AtOnceMixin:
         STATS.host_scalar_ops_run += 1
         return func(*args, **kwargs)
 
+    def run_at_once(self, func, args: tuple, kwargs: dict) -> Any:
+        """An op of a segment that runs at once (exec/blocks.Segments): on torch's kernel now,
+        as strict runs it.  The segment started with nothing pending and records nothing, so
+        every tensor holds its values: the op goes to torch as it is (a deferred tensor from
+        before the segment answers with its data, as after its block), except a write, which
+        run_eager also marks on the memory deferfuse tracks (what a later deferred segment
+        read of it before is stale)."""
+        info = (FACTS.get(id(func)) or learn_facts(func))[0]
+        if info.written:
+            return self.run_eager(func, info, args, kwargs, FlushReason.SYNC, None)
+        return func(*args, **kwargs)
+
     def run_observing(self, func, info, args, kwargs) -> Any:
         reason = FlushReason.ITEM if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) \
             else FlushReason.OBSERVING_OP

@@ -7,12 +7,14 @@ first, then the Recorder's general dispatch.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..debugging.source import forget_frames
+from ..debugging.source import forget_frames, user_line_from
+from ..stats import STATS
 from . import meta as meta_
 from . import patches
 from .fastpath import FAST, UNSEEN, fast_form
@@ -25,6 +27,33 @@ def _defer_dispatch(self, func, types, args=(), kwargs=None):
     """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
     recorder = self.recorder
     kwargs = kwargs or {}
+    if recorder.segments is not None:
+        return _segment_dispatch(recorder, func, args, kwargs)
+    return _record_or_run(recorder, func, args, kwargs)
+
+
+def _segment_dispatch(recorder, func, args: tuple, kwargs: dict):
+    """A default defer mode's dispatch (exec/blocks.Segments): a read of a value that had to be
+    computed ends a segment, and the next runs deferred or at once, as its place chose."""
+    if func is not LOCAL_SCALAR_DENSE:
+        if recorder.at_once_segment:
+            return recorder.run_at_once(func, args, kwargs)
+        return _record_or_run(recorder, func, args, kwargs)
+    segments = recorder.segments
+    place = user_line_from(sys._getframe(2))
+    if recorder.at_once_segment:
+        result = recorder.run_at_once(func, args, kwargs)
+        if segments.starts_segments(place):
+            segments.observed(recorder, place)
+        return result
+    flushed = STATS.flushes["item"]
+    result = _record_or_run(recorder, func, args, kwargs)
+    if STATS.flushes["item"] != flushed:   # (a read of a value already computed is no boundary)
+        segments.observed(recorder, place)
+    return result
+
+
+def _record_or_run(recorder, func, args: tuple, kwargs: dict):
     if args and type(args[0]) is torch.Tensor and args[0].numel() <= 1:
         if func is LOCAL_SCALAR_DENSE:
             # (an optimizer's step counter read with .item() every step)

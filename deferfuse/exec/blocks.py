@@ -41,8 +41,8 @@ observationally equivalent, as every defer run is.  ``deferfuse.explain()`` list
 choice and its times; ``stats()["blocks_run_at_once"]`` counts the runs.
 
 Only an outermost defer block is chosen for (not one inside another defer or debug block, nor
-under ``TORCHTPU_MODE=defer``), and not with ``always_compile``.  The setting ``eager_blocks``
-turns the tier off.
+under ``TORCHTPU_MODE=defer``, whose work ``Segments`` below times), and not with
+``always_compile``.  The setting ``eager_blocks`` turns the tier off.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import logging
 import time
 from typing import Any, Optional
 
+from ..errors import FlushReason
 from ..stats import STATS
 
 log = logging.getLogger("deferfuse")
@@ -102,16 +103,19 @@ class BlockChoice:
     """What one place in the code chose, and the times it chose from."""
 
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
-                 "outliers", "choices", "last", "median")
+                 "outliers", "choices", "last", "median", "unsettled", "held")
 
     def __init__(self, place: str) -> None:
         self.place = place
         self.recheck = FIRST_RECHECK
         self.choices = 0
         self.last: Optional[Phase] = None   # the previous choice, while it is being rechecked
+        self.unsettled = False   # whether the last choice was made on deferred runs that never settled
         self._measure_again()
 
     def _measure_again(self) -> None:
+        # (what the choice being rechecked was made on, kept in case it holds without timing)
+        self.held = (self.deferred, self.at_once, self.median, self.unsteady) if self.last else None
         self.phase = Phase.MEASURE_DEFERRED
         self.median: Optional[float] = None   # the chosen way's, once chosen on times
         self.deferred: list[float] = []
@@ -131,6 +135,13 @@ class BlockChoice:
         if phase is Phase.MEASURE_DEFERRED:
             if not steady:
                 self.unsteady += 1
+                if self.last is Phase.AT_ONCE and self.unsettled and self.held is not None:
+                    # a recheck of a place that chose at once because its deferred runs never
+                    # settled: they still do not, and each costs what it cost then (a compile
+                    # on the background thread, a replay): the choice holds on what it was made on
+                    self.deferred, self.at_once, _, self.unsteady = self.held
+                    self._choose(Phase.AT_ONCE)
+                    return
             if steady or self.unsteady > UNSTEADY_UNTIMED:
                 self.deferred.append(seconds)
                 self._measured()
@@ -164,6 +175,8 @@ class BlockChoice:
         self.recheck = min(2 * self.recheck, LAST_RECHECK) if phase is self.last else FIRST_RECHECK
         self.last = phase
         self.phase = phase
+        if self.deferred:   # (a choice made on samples, not one that held at a recheck)
+            self.unsettled = self.unsteady > UNSTEADY_UNTIMED
         samples = self.at_once if phase is Phase.AT_ONCE else self.deferred
         self.median = _median(samples) if samples else None
         self.runs = 0
@@ -229,3 +242,63 @@ def describe_all() -> Optional[str]:
              f"once since the last reset_stats()"]
     lines += [f"  {c.place}: {c.describe()}" for c in known]
     return "\n".join(lines)
+
+
+# -- segments: the blocks of a default defer mode ------------------------------------------------
+class Segments:
+    """The block tier for a default defer mode (``TORCHTPU_MODE=defer``, ``set_mode("defer")``),
+    where no ``with`` line marks the work (eager_segments).
+
+    A program run under the default mode has no blocks, but its loops read values: a training
+    loop prints its loss, ``generate()`` reads whether every sequence has finished, once per
+    token.  The work between two such reads is a *segment*, and the place of the read that
+    starts it (``.item()``, ``bool()``: aten's ``_local_scalar_dense``) stands for it as a
+    ``with`` line stands for a block: what follows a read at that place is, run after run, the
+    same code.  Each place gets a ``BlockChoice``, timed and chosen as blocks are; a segment
+    that runs at once runs with nothing pending, each op on torch's kernel as it arrives (the
+    recorder's ``run_at_once``), so its results are strict's.  ``generate()`` under the default
+    mode was the case: every decoding step met new shapes (the KV cache grows), so it recorded,
+    replayed eagerly and compiled in the background, 20 times slower than strict.
+
+    A read is a boundary where, deferred, it had to compute its value (it flushed): an
+    optimizer reading its step counter, a host scalar computed already, starts no segment.  A
+    segment that ends deferred flushes everything still pending, so that its time holds all its
+    work (a loss read computes the forward pass only; the backward and the optimizer's updates
+    would otherwise be paid in the next segment).  Runs at once see every read; they end their
+    segment at the places known as boundaries.
+
+    The recorder calls ``observed`` after each boundary read; the segment that ended is timed,
+    the next one's way is chosen."""
+
+    __slots__ = ("choice", "started", "unsteady")
+
+    def __init__(self) -> None:
+        self.choice: Optional[BlockChoice] = None
+        self.started = 0.0
+        self.unsteady = 0
+
+    @staticmethod
+    def starts_segments(place: Any) -> bool:
+        """Whether a read at ``place`` ends a segment (it flushed when its segment ran deferred)."""
+        return ("segment", place) in _PLACES
+
+    def observed(self, recorder: Any, place: Any) -> None:
+        """A value was read at ``place`` (a SourceLine); ``recorder``: the default mode's."""
+        choice = self.choice
+        if not recorder.at_once_segment:
+            recorder.flush_all(FlushReason.SYNC)   # (the segment's work, all of it, in its time)
+        if choice is not None:
+            at_once = recorder.at_once_segment
+            choice.finished(clock() - self.started, at_once or unsteady_count() == self.unsteady)
+            if at_once:
+                STATS.blocks_run_at_once += 1
+        key = ("segment", place)
+        choice = _PLACES.get(key)
+        if choice is None:
+            if len(_PLACES) >= _MAX_PLACES:
+                _PLACES.clear()
+            choice = _PLACES[key] = BlockChoice(f"{place} (reads starting segments)")
+        self.choice = choice
+        recorder.at_once_segment = choice.runs_at_once   # (with nothing pending: flushed above)
+        self.unsteady = unsteady_count()
+        self.started = clock()
