@@ -150,9 +150,9 @@ class _GcFreeze:
 _GC_FREEZE = _GcFreeze()
 
 
-def _start_defer():
-    from .capture.mode import DeferMode
-    handle = DeferMode()
+def _start_defer(segmented: bool = False):
+    from .capture.mode import DeferMode, SegmentedDeferMode
+    handle = SegmentedDeferMode(blocks.Segments()) if segmented else DeferMode()
     handle.__enter__()
     _GC_FREEZE.enter()
     return handle
@@ -184,12 +184,13 @@ def _discard_defer(handle) -> None:
             "flushing at the end of a defer block that raised also failed", exc_info=True)
 
 
-def _push(kind: EagerMode) -> object:
-    """Put a new DeferMode or DebugMode on top of torch's dispatch stack."""
+def _push(kind: EagerMode, segmented: bool = False) -> object:
+    """Put a new DeferMode or DebugMode on top of torch's dispatch stack (``segmented``: a
+    default defer mode's, whose work the segment tier times)."""
     processes.install(active_recorder, reset_after_fork)
     modules.install(active_recorder)
     if kind is EagerMode.DEFER:
-        handle = _start_defer()
+        handle = _start_defer(segmented)
     else:
         from .debugging import DebugMode
         handle = DebugMode()
@@ -338,9 +339,7 @@ def set_mode(m: ModeLike) -> None:
     if target is EagerMode.DEFER and processes.forked_after_xla():
         processes.note_defer_at_once()
     elif target is not EagerMode.STRICT:
-        _stack.default_handle = _push(target)
-        if target is EagerMode.DEFER and config.shortcuts().segments_timed:
-            _stack.default_handle.recorder.segments = blocks.Segments()
+        _stack.default_handle = _push(target, segmented=config.shortcuts().segments_timed)
 
 
 def reset_after_fork() -> None:

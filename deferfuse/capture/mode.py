@@ -27,33 +27,6 @@ def _defer_dispatch(self, func, types, args=(), kwargs=None):
     """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
     recorder = self.recorder
     kwargs = kwargs or {}
-    if recorder.segments is not None:
-        return _segment_dispatch(recorder, func, args, kwargs)
-    return _record_or_run(recorder, func, args, kwargs)
-
-
-def _segment_dispatch(recorder, func, args: tuple, kwargs: dict):
-    """A default defer mode's dispatch (exec/blocks.Segments): a read of a value that had to be
-    computed ends a segment, and the next runs deferred or at once, as its place chose."""
-    if func is not LOCAL_SCALAR_DENSE:
-        if recorder.at_once_segment:
-            return recorder.run_at_once(func, args, kwargs)
-        return _record_or_run(recorder, func, args, kwargs)
-    segments = recorder.segments
-    place = user_line_from(sys._getframe(2))
-    if recorder.at_once_segment:
-        result = recorder.run_at_once(func, args, kwargs)
-        if segments.starts_segments(place):
-            segments.observed(recorder, place)
-        return result
-    flushed = STATS.flushes["item"]
-    result = _record_or_run(recorder, func, args, kwargs)
-    if STATS.flushes["item"] != flushed:   # (a read of a value already computed is no boundary)
-        segments.observed(recorder, place)
-    return result
-
-
-def _record_or_run(recorder, func, args: tuple, kwargs: dict):
     if args and type(args[0]) is torch.Tensor and args[0].numel() <= 1:
         if func is LOCAL_SCALAR_DENSE:
             # (an optimizer's step counter read with .item() every step)
@@ -115,6 +88,41 @@ class DeferMode(TorchDispatchMode):
             super().__exit__(exc_type, exc_value, traceback)
 
 
+def _segment_dispatch(self, func, types, args=(), kwargs=None):
+    """SegmentedDeferMode.__torch_dispatch__ (exec/blocks.Segments): a read of a value that had
+    to be computed ends a segment, and the next runs deferred or at once, as its place chose."""
+    recorder = self.recorder
+    if func is not LOCAL_SCALAR_DENSE:
+        if recorder.at_once_segment:
+            return recorder.run_at_once(func, args, kwargs or {})
+        return _defer_dispatch(self, func, types, args, kwargs)
+    segments = recorder.segments
+    place = user_line_from(sys._getframe(1))
+    if recorder.at_once_segment:
+        result = recorder.run_at_once(func, args, kwargs or {})
+        if segments.starts_segments(place):
+            segments.observed(recorder, place)
+        return result
+    flushed = STATS.flushes["item"]
+    result = _defer_dispatch(self, func, types, args, kwargs)
+    if STATS.flushes["item"] != flushed:   # (a read of a value already computed is no boundary)
+        segments.observed(recorder, place)
+    return result
+
+
+class SegmentedDeferMode(DeferMode):
+    """The DeferMode of a default defer mode under eager_segments: ``segments`` (the tier's
+    state, exec/blocks.Segments) decides per segment whether its ops are recorded or run at
+    once.  A mode of its own, so that a ``with`` block's ops pay nothing for the tier."""
+
+    def __init__(self, segments) -> None:
+        super().__init__()
+        self.recorder.segments = segments
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _segment_dispatch(self, func, types, args, kwargs)
+
+
 patches.register_mode(DeferMode)
 
 
@@ -129,9 +137,11 @@ def _skip_dynamo_without_wrapper() -> None:
     except ImportError:
         return
 
-    set_code_exec_strategy(_defer_dispatch.__code__,
-                           _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-    DeferMode.__torch_dispatch__ = _defer_dispatch   # (__init_subclass__ has run already)
+    for dispatch in (_defer_dispatch, _segment_dispatch):
+        set_code_exec_strategy(dispatch.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    # (__init_subclass__ has run already)
+    DeferMode.__torch_dispatch__ = _defer_dispatch
+    SegmentedDeferMode.__torch_dispatch__ = _segment_dispatch
 
 
 _skip_dynamo_without_wrapper()

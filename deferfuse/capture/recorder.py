@@ -85,8 +85,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin):
         self.eager_unseen = shortcuts.unseen_ops_at_once
         self.eager_lone = shortcuts.lone_ops_at_once
         self.host_scalars = shortcuts.host_scalars_at_once
-        # a default defer mode's segment tier (exec/blocks.Segments), set by modes; while
-        # at_once_segment, every op runs at once (run_at_once)
+        # a default defer mode's segment tier (exec/blocks.Segments), set by SegmentedDeferMode;
+        # while at_once_segment, every op runs at once (run_at_once)
         self.segments: Any = None
         self.at_once_segment = False
         # id(plain tensor) -> (weak ref, entry, site) of results of ops run at once where their
