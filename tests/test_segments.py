@@ -107,3 +107,25 @@ def test_a_with_block_inside_the_default_mode_runs_in_its_segments(clock):
         deferfuse.set_mode("strict")
     assert seen == pytest.approx(expected, rel=1e-6)
     assert _segment_choice().phase is blocks.Phase.AT_ONCE
+
+
+def test_printing_a_loss_ends_a_segment(clock):
+    """A training loop's read is often a format, not .item(): f"{loss:.4f}"."""
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+
+    def losses(clock=None):
+        out = []
+        for step in range(30):
+            loss = ((x @ w) * step).tanh().square().mean()
+            if clock is not None:
+                clock.now += 0.1 if modes.active_recorder().at_once_segment else 1.0
+            out.append(f"{loss:.4f}")
+        return out
+    expected = losses()
+    with config.override(eager_segments=True, always_compile=False):
+        deferfuse.set_mode("defer")
+        seen = losses(clock)
+        deferfuse.set_mode("strict")
+    assert seen == expected
+    assert _segment_choice().phase is blocks.Phase.AT_ONCE

@@ -119,8 +119,16 @@ class DeferredTensor(torch.Tensor):
         """Materialize, then run ``use(data)`` with no dispatch mode active (torch calls made while
         reading the data, such as numpy()'s detach, must not be recorded).  ``exposes``: False
         where ``use`` only copies the data out."""
+        pending = self._storage.contents is not None
         with no_dispatch():
-            return use(self._materialize(reason, exposes))
+            result = use(self._materialize(reason, exposes))
+        recorder = self._recorder
+        if pending and recorder.segments is not None and recorder.active:
+            # (a read that computed its value ends a default defer mode's segment: printing a
+            # loss, f"{loss:.4f}", as .item() does; exec/blocks.Segments)
+            from ..debugging.source import user_line   # (the debugging package imports us)
+            recorder.segments.observed(recorder, user_line())
+        return result
 
     def _as_strict(self, reason: FlushReason, use, exposes: bool = True,
                    requires_grad: Optional[bool] = None):
