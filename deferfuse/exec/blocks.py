@@ -252,7 +252,8 @@ class Segments:
     A program run under the default mode has no blocks, but its loops read values: a training
     loop prints its loss, ``generate()`` reads whether every sequence has finished, once per
     token.  The work between two such reads is a *segment*, and the place of the read that
-    starts it (``.item()``, ``bool()``: aten's ``_local_scalar_dense``) stands for it as a
+    starts it (``.item()``, ``bool()``: aten's ``_local_scalar_dense``; a deferred tensor's
+    ``format``, ``repr``, ``tolist``, ``numpy``: ``f"{loss:.4f}"``) stands for it as a
     ``with`` line stands for a block: what follows a read at that place is, run after run, the
     same code.  Each place gets a ``BlockChoice``, timed and chosen as blocks are; a segment
     that runs at once runs with nothing pending, each op on torch's kernel as it arrives (the
