@@ -232,6 +232,8 @@ def _suspend(kinds: tuple[EagerMode, ...]) -> list[tuple[EagerMode, object]]:
 def _require_on_top(handle: object) -> None:
     # torch pops the top of its dispatch stack, whichever mode that is
     from torch.utils._python_dispatch import _get_current_dispatch_mode
+    if getattr(handle, "suspended", False):
+        return   # (a default defer mode's segment running at once: off the stack, nothing above it)
     top = _get_current_dispatch_mode()
     if top is not handle:
         raise ModeError(
@@ -264,6 +266,7 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
             processes.note_defer_at_once()
         elif not live and config.shortcuts().blocks_timed:
             block = blocks.choice_at(_with_statement_frame())
+            blocks.before_run(block)
             started = blocks.clock()
             if block.runs_at_once:
                 STATS.blocks_run_at_once += 1

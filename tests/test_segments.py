@@ -36,9 +36,11 @@ def clock(monkeypatch):
     deferfuse.set_mode("strict")
 
 
-def _decoding_loop(steps: int, clock: FakeClock | None = None, deferred_s: float = 1.0, at_once_s: float = 1.0):
+def _decoding_loop(steps: int, clock: FakeClock | None = None, deferred_s: float = 1.0, at_once_s: float = 1.0,
+                   read: str = "item"):
     """A generate()-like loop: a cache that grows by a row every step (new shapes each step), a
-    running sum updated in place, and one ``.item()`` per step, the read that ends a segment."""
+    running sum updated in place, and one read per step, which ends a segment: ``.item()``, or
+    (``read="bool"``) generate()'s own ``bool(done.max() == 0)``."""
     torch.manual_seed(0)
     x = torch.randn(6)
     cache = torch.zeros(1, 6)
@@ -50,7 +52,7 @@ def _decoding_loop(steps: int, clock: FakeClock | None = None, deferred_s: float
         if clock is not None:
             recorder = modes.active_recorder()
             clock.now += at_once_s if recorder.at_once_segment else deferred_s
-        seen.append(total.item())
+        seen.append(total.item() if read == "item" else bool(total.max() == 0))
     return seen, cache
 
 
@@ -60,15 +62,18 @@ def _segment_choice() -> blocks.BlockChoice:
     return found[0]
 
 
+@pytest.mark.parametrize("read", ["item", "bool"])
 @pytest.mark.parametrize("deferred_s, at_once_s, chosen", [(1.0, 0.1, blocks.Phase.AT_ONCE),
                                                           (0.1, 1.0, blocks.Phase.DEFERRED)],
                          ids=["faster-at-once", "faster-deferred"])
-def test_a_loop_runs_the_way_its_segments_measured_faster(clock, deferred_s, at_once_s, chosen):
-    expected, expected_cache = _decoding_loop(40)
+def test_a_loop_runs_the_way_its_segments_measured_faster(clock, deferred_s, at_once_s, chosen, read):
+    # (read="bool" once failed: CPython 3.11 places a specialized call to bool() at another
+    # bytecode offset, so a segment running at once never met its end and was never timed)
+    expected, expected_cache = _decoding_loop(40, read=read)
     deferfuse.reset_stats()
     with config.override(eager_segments=True, always_compile=False):
         deferfuse.set_mode("defer")
-        seen, cache = _decoding_loop(40, clock, deferred_s=deferred_s, at_once_s=at_once_s)
+        seen, cache = _decoding_loop(40, clock, deferred_s=deferred_s, at_once_s=at_once_s, read=read)
         deferfuse.set_mode("strict")
     assert seen == pytest.approx(expected, rel=1e-6)
     torch.testing.assert_close(cache, expected_cache)
@@ -129,3 +134,103 @@ def test_printing_a_loss_ends_a_segment(clock):
         deferfuse.set_mode("strict")
     assert seen == expected
     assert _segment_choice().phase is blocks.Phase.AT_ONCE
+
+
+def _deferfuse_modes_on_the_stack() -> list:
+    stack = [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+    return [m for m in stack if type(m).__module__.startswith("deferfuse")]
+
+
+def _step(x: torch.Tensor, step: int, clock) -> bool:
+    """One step of a loop whose segments run faster at once; its read ends a segment."""
+    y = (x * step).sin().sum()
+    clock.now += 0.1 if modes.active_recorder().at_once_segment else 1.0
+    return bool(y < 100)
+
+
+def _choose_at_once(clock, steps: int = 14) -> None:
+    """Under a default defer mode: the loop of ``_step``, until its segments chose."""
+    x = torch.randn(6)
+    for step in range(steps):
+        assert _step(x, step, clock)
+    assert _segment_choice().phase is blocks.Phase.AT_ONCE
+
+
+def test_a_segment_at_once_runs_with_no_mode_on_the_stack(clock):
+    """Under a dispatch mode torch spends microseconds an op in Python before the mode's code
+    runs; a segment that runs at once takes the mode off, and a read ends it as before."""
+    x = torch.randn(6)
+    with config.override(eager_segments=True, always_compile=False):
+        deferfuse.set_mode("defer")
+        try:
+            _choose_at_once(clock)
+            assert _deferfuse_modes_on_the_stack() == []
+            y = (x * 3).sin()
+            assert type(y) is torch.Tensor
+            torch.testing.assert_close(y, (x * 3).sin())
+            before = deferfuse.stats()["blocks_run_at_once"]
+            for step in range(5):
+                assert _step(x, step, clock)       # (each read ends a segment, at once)
+                assert _deferfuse_modes_on_the_stack() == []
+            assert deferfuse.stats()["blocks_run_at_once"] == before + 5
+            # the choice's recheck (brought forward) puts the mode back for a deferred run
+            choice = _segment_choice()
+            choice.runs = choice.recheck - 1
+            assert _step(x, 1, clock)
+            assert choice.phase is blocks.Phase.MEASURE_DEFERRED
+            assert len(_deferfuse_modes_on_the_stack()) == 1
+            z = (x * 5).cos()
+            clock.now += 1.0
+            assert z.sum().item() == pytest.approx((x * 5).cos().sum().item())
+        finally:
+            deferfuse.set_mode("strict")
+    assert _deferfuse_modes_on_the_stack() == []
+
+
+def test_mode_changes_while_a_segment_runs_at_once(clock):
+    """strict, debug and defer blocks, a user's own dispatch mode, and set_mode, entered while the
+    default mode is off the stack for a segment at once: each behaves as with the mode on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(6)
+    with config.override(eager_segments=True, always_compile=False):
+        deferfuse.set_mode("defer")
+        try:
+            _choose_at_once(clock)
+            with deferfuse.strict():
+                assert _deferfuse_modes_on_the_stack() == []
+                torch.testing.assert_close((x * 2).sin(), torch.sin(x * 2))
+            with deferfuse.debug():
+                assert [type(m).__name__ for m in _deferfuse_modes_on_the_stack()] == ["DebugMode"]
+                assert (x * 2).sum().item() == pytest.approx(float((x * 2).sum()))
+            with deferfuse.defer():
+                assert modes.get_mode() is deferfuse.EagerMode.DEFER
+                assert (x + 1).sum().item() == pytest.approx(float(x.sum()) + 6, rel=1e-5)
+            counting = Counting()
+            choice = _segment_choice()
+            with counting:
+                # (the segment ending inside a user's mode chooses to run deferred next: the
+                # default mode stays off the stack rather than come back above the user's mode)
+                choice.runs = choice.recheck - 1
+                assert _step(x, 2, clock)
+                assert choice.phase is blocks.Phase.MEASURE_DEFERRED
+                assert _deferfuse_modes_on_the_stack() == []
+                assert (x * 4).sum().item() == pytest.approx(float((x * 4).sum()))
+            assert counting.ops >= 2
+            assert torch._C._len_torch_dispatch_stack() == 0
+            assert _step(x, 3, clock)          # (and comes back at the next segment's end)
+            assert len(_deferfuse_modes_on_the_stack()) == 1
+            assert (x * 6).sum().item() == pytest.approx(float((x * 6).sum()))
+        finally:
+            deferfuse.set_mode("strict")
+    assert _deferfuse_modes_on_the_stack() == []
+    assert modes.get_mode() is deferfuse.EagerMode.STRICT

@@ -10,6 +10,7 @@ on the dispatch stack by the type of its mode, which ``capture/mode.py`` registe
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any, Optional
 
@@ -74,11 +75,41 @@ def write_back_before_read(t: Any, reason: FlushReason) -> None:
             flush.materialize_states([state], reason, recorder)
 
 
-def _reading(original, reason: FlushReason):
+# Reads that go through aten (``_local_scalar_dense``) and need no write-back, but end a default
+# defer mode's segment: their wrappers only tell the mode (``SEGMENT_READS``).
+SCALAR_READS = ("item", "__bool__", "__int__", "__float__")
+
+
+class _SegmentReads(threading.local):
+    """This thread's default defer mode under eager_segments (capture/mode.SegmentedDeferMode),
+    which the read wrappers tell of each read by Python code, once the read returned; ``depth``:
+    reads in progress (torch's ``__format__`` of a 0-dim tensor calls ``item()``: one read)."""
+
+    def __init__(self) -> None:
+        self.mode: Any = None
+        self.depth = 0
+
+
+SEGMENT_READS = _SegmentReads()
+
+
+def _reading(original, reason: Optional[FlushReason]):
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        write_back_before_read(self, reason)
-        return original(self, *args, **kwargs)
+        if reason is not None:
+            write_back_before_read(self, reason)
+        reads = SEGMENT_READS
+        if reads.mode is None:
+            return original(self, *args, **kwargs)
+        reads.depth += 1
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            reads.depth -= 1
+        if reads.depth == 0 and reads.mode is not None \
+                and not torch._C._dispatch_tls_is_dispatch_key_excluded(PYTHON_KEY):
+            reads.mode.after_read(sys._getframe(1))
+        return result
     return method
 
 
@@ -180,6 +211,8 @@ BLOCK_PATCHES = Patches(lambda: [
 # While a block has written a plain tensor: the methods in PLAIN_READS write its pending
 # contents back before Python code reads its memory.  A block that only reads plain tensors
 # (their memory is current; its results are deferred tensors, which materialize themselves)
-# never installs them.
+# never installs them.  A default defer mode under eager_segments holds them too, for as long
+# as it is on: every read, SCALAR_READS included, then tells it where a segment ends.
 READ_PATCHES = Patches(lambda: [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
-                                  for name, reason in PLAIN_READS.items()])
+                                  for name, reason in (*PLAIN_READS.items(),
+                                                       *((n, None) for n in SCALAR_READS))])

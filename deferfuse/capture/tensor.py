@@ -128,6 +128,7 @@ class DeferredTensor(torch.Tensor):
             # loss, f"{loss:.4f}", as .item() does; exec/blocks.Segments)
             from ..debugging.source import user_line   # (the debugging package imports us)
             recorder.segments.observed(recorder, user_line())
+            recorder.mode.settle()   # (a segment at once runs with the mode off: SegmentedDeferMode)
         return result
 
     def _as_strict(self, reason: FlushReason, use, exposes: bool = True,
