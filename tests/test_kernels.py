@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,20 @@ def pallas_double(x: torch.Tensor) -> torch.Tensor:
                           interpret=pallas_interpret())(x)
 
 
+@deferfuse.jax_op("test_kernels::combo")
+def combo(xs: list[torch.Tensor], bias: Optional[torch.Tensor], axis: int, *, alpha: float = 2.0,
+          flip: bool = False) -> torch.Tensor:
+    total = sum(xs) if bias is None else sum(xs) + bias
+    total = jnp.cumsum(total, axis=axis) * alpha
+    return total[::-1] if flip else total
+
+
+def combo_torch(xs, bias, axis, *, alpha=2.0, flip=False):
+    total = sum(xs) if bias is None else sum(xs) + bias
+    total = torch.cumsum(total, axis) * alpha
+    return total.flip(0) if flip else total
+
+
 MODES = {"strict": contextlib.nullcontext, "defer": deferfuse.defer, "debug": deferfuse.debug}
 
 
@@ -77,11 +92,32 @@ def test_op_equals_torch_in_every_mode(mode):
     assert out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_lists_optional_tensors_and_keyword_arguments_with_gradients(mode):
+    a, b, c = (_inputs(3, 4, dtype=torch.float64, seed=i).requires_grad_() for i in range(3))
+    strict = [t.detach().clone().requires_grad_() for t in (a, b, c)]
+    want = combo_torch(strict[:2], strict[2], 0, alpha=1.5, flip=True)
+    want.sin().sum().backward()
+    with MODES[mode]():
+        got = combo([a, b], c, 0, alpha=1.5, flip=True)
+        got.sin().sum().backward()
+        no_bias = combo([a[:, ::2]], None, 1)       # (a strided input)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(no_bias, combo_torch([a[:, ::2]], None, 1))
+    for leaf, strict_leaf in zip((a, b, c), strict):
+        torch.testing.assert_close(leaf.grad, strict_leaf.grad)
+
+
 def test_float64_and_int64_keep_their_dtypes():
     x = _inputs(3, 5, dtype=torch.float64)
     out = gated(x, x, 0.5)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, gated_torch(x, x, 0.5), rtol=1e-12, atol=1e-12)
+    big = torch.tensor([[2**40, 3, 2**40 + 1], [-(2**50), 7, 5]], dtype=torch.int64)
+    for mode in MODES.values():
+        with mode():
+            values, indices = top2_example.top2(big + 1)
+        assert values.dtype == torch.int64 and torch.equal(values, torch.topk(big + 1, 2)[0])
 
 
 def test_fake_and_meta_tensors_never_run_the_kernel():
@@ -94,7 +130,7 @@ def test_fake_and_meta_tensors_never_run_the_kernel():
     assert values.shape == (5, 2) and indices.shape == (5, 2) and indices.dtype == torch.int64
 
 
-@pytest.mark.parametrize("case", ["gated", "rmsnorm", "top2", "attention"])
+@pytest.mark.parametrize("case", ["gated", "rmsnorm", "top2", "attention", "combo"])
 def test_opcheck(case):
     x = _inputs(2, 4, 8, 16).requires_grad_()
     if case == "gated":
@@ -103,6 +139,8 @@ def test_opcheck(case):
         op, args = rmsnorm_example.rmsnorm.op, (x, _inputs(16, seed=1).requires_grad_(), 1e-5)
     elif case == "top2":
         op, args = top2_example.top2.op, (x,)
+    elif case == "combo":
+        op, args = combo.op, ([x, _inputs(2, 4, 8, 16, seed=1)], _inputs(16, seed=2), 1)
     else:
         op, args = attention_example.attention.op, (x, _inputs(2, 2, 8, 16, seed=1), _inputs(2, 2, 8, 16, seed=2),
                                                     None, 0.3, True)

@@ -78,13 +78,18 @@ class CallSpec:
         self.kwarg_only = tuple(a.kwarg_only for a in schema.arguments)
         self.defaults = tuple(a.default_value if a.has_default_value() else _REQUIRED for a in schema.arguments)
         returns = [str(r.type) for r in schema.returns]
-        if not returns or any(r != "Tensor" for r in returns):
-            raise TypeError(f"{schema.name} returns {returns or 'nothing'}: a jax_op returns a Tensor "
-                            "or a tuple of Tensors (annotate it tuple[torch.Tensor, ...])")
-        self.n_outputs = len(returns)
-        self.tuple_return = len(returns) > 1
+        if returns == ["List[Tensor]"]:
+            self.returns = "list"
+        elif returns and all(r == "Tensor" for r in returns):
+            self.returns = "tuple" if len(returns) > 1 else "one"
+        else:
+            raise TypeError(f"{schema.name} returns {returns or 'nothing'}: a jax_op returns a Tensor, "
+                            "a tuple of Tensors (annotate it tuple[torch.Tensor, ...]) or a list of them")
+        self.n_outputs = None if self.returns == "list" else len(returns)
         self.runtime_floats = frozenset(n for n, k in zip(names, self.kinds) if k is Kind.FLOAT)
-        self.tensor_slots = tuple(i for i, k in enumerate(self.kinds) if k is Kind.TENSOR)
+        # the arguments that may have gradients: tensors, optional tensors, lists of tensors
+        self.grad_slots = tuple(i for i, k in enumerate(self.kinds)
+                                if k in (Kind.TENSOR, Kind.OPTIONAL_TENSOR, Kind.TENSOR_LIST))
         self.n_positional = sum(1 for k in self.kwarg_only if not k)
 
     def bind(self, args: Sequence[Any], kwargs: dict) -> list:
@@ -137,10 +142,18 @@ class CallSpec:
     def outputs(self, result: Any, name: str) -> tuple:
         """The user function's result as a tuple of arrays, checked against the schema."""
         outs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-        if len(outs) != self.n_outputs or not all(hasattr(o, "shape") and hasattr(o, "dtype") for o in outs):
-            raise TypeError(f"{name}: the function returned {_describe(result)}; its schema says "
-                            f"{self.n_outputs} tensor{'s' if self.n_outputs > 1 else ''}")
+        if self.n_outputs is not None and len(outs) != self.n_outputs \
+                or not all(hasattr(o, "shape") and hasattr(o, "dtype") for o in outs):
+            wanted = "a list of tensors" if self.n_outputs is None else \
+                f"{self.n_outputs} tensor{'s' if self.n_outputs > 1 else ''}"
+            raise TypeError(f"{name}: the function returned {_describe(result)}; its schema says {wanted}")
         return outs
+
+    def pack(self, results: Sequence[Any]) -> Any:
+        """``results`` in the structure the schema returns: one, a tuple or a list."""
+        if self.returns == "one":
+            return results[0]
+        return tuple(results) if self.returns == "tuple" else list(results)
 
 
 class _Required:

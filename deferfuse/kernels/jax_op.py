@@ -159,14 +159,14 @@ class _Body:
             except Exception as error:  # noqa: BLE001 - re-raised naming the op and the line
                 raise _named(self.name, error) from error
             results = _to_torch(outs, values)
-        return tuple(results) if spec.tuple_return else results[0]
+        return spec.pack(results)
 
     def fake(self, args: Sequence[Any], kwargs: dict) -> Any:
         """The fake kernel: empty tensors of the shapes and dtypes jax.eval_shape gives."""
         spec = self.spec
         values = spec.bind(args, kwargs)
         dynamic, static = spec.split(values, _shape_key, scalar=lambda v: _FLOAT)
-        key = (static, dynamic)
+        key = (static, tuple(tuple(p) if isinstance(p, list) else p for p in dynamic))
         found = self._shapes.get(key)
         device = _first_device(values)
         if found is None:
@@ -182,7 +182,7 @@ class _Body:
             results = [torch.empty(shape, dtype=dtype) for shape, dtype in found]
         else:
             results = [like.new_empty(shape, dtype=dtype) for shape, dtype in found]
-        return tuple(results) if spec.tuple_return else results[0]
+        return spec.pack(results)
 
     def rule(self, ctx: Any, *args: Any, **kwargs: Any) -> Any:
         """The lowering: the function itself, traced into the fused computation."""
@@ -192,7 +192,7 @@ class _Body:
         device = ctx.out[0].device if ctx is not None and ctx.out else "cpu"
         with _OnPlatform(device):
             outs = self._bound(static, values)(dynamic)
-        return tuple(outs) if spec.tuple_return else outs[0]
+        return spec.pack(outs)
 
 
 def _shape_key(t: torch.Tensor) -> tuple:
@@ -273,7 +273,7 @@ class JaxOp:
         self._custom.register_fake(self._fake)
         lowering(self.op, fingerprint=self.fingerprint, runtime_floats=spec.runtime_floats)(self._forward.rule)
         self.vjp_op: Optional[torch._ops.OpOverload] = None
-        if spec.tensor_slots:
+        if spec.grad_slots:
             self._register_vjp(static_argnames)
         self.__name__ = getattr(fn, "__name__", name)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -294,12 +294,15 @@ class JaxOp:
     # -- autograd ------------------------------------------------------------------------------
     def _register_vjp(self, static_argnames: Sequence[str]) -> None:
         spec = self.spec
+        if spec.returns == "list":
+            raise TypeError(f"{self.name} returns a list: jax_op differentiates ops that return a Tensor "
+                            "or a tuple of Tensors")
         text = str(self.op._schema)
         arguments = text[text.index("(") + 1:text.rindex(") ->")]
         cotangents = ", ".join(f"Tensor _ct{i}" for i in range(spec.n_outputs))
-        n = len(spec.tensor_slots)
-        returns = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
-        vjp_schema = f"({cotangents}{', ' if arguments else ''}{arguments}) -> {returns}"
+        # (the cotangent of each tensor argument, flattened: one per Tensor and Tensor? argument,
+        # one per element of a Tensor[] argument; an empty one where there is none)
+        vjp_schema = f"({cotangents}{', ' if arguments else ''}{arguments}) -> Tensor[]"
         vjp_name = self.name + "_jaxvjp"
         self._vjp_custom = torch.library.custom_op(vjp_name, self._vjp_impl, mutates_args=(), schema=vjp_schema)
         self.vjp_op = self._vjp_custom._opoverload
@@ -313,42 +316,68 @@ class JaxOp:
     def _vjp_impl(self, *args: Any, **kwargs: Any) -> Any:
         return self._vjp.run(args, kwargs)
 
+    def _leaves(self, values: Sequence[Any]) -> list[tuple[int, Optional[int]]]:
+        """(argument index, element index or None) of each tensor that may have a gradient."""
+        found = []
+        for i in self.spec.grad_slots:
+            if isinstance(values[i], (list, tuple)):
+                found.extend((i, j) for j in range(len(values[i])))
+            else:
+                found.append((i, None))
+        return found
+
     def _vjp_fn(self, *values: Any) -> tuple:
-        """The input cotangents, in JAX: ``values`` are the output cotangents, then the forward's
-        arguments in schema order."""
+        """The input cotangents, in JAX, flattened (``_leaves``): ``values`` are the output
+        cotangents, then the forward's arguments in schema order."""
         spec = self.spec
         cotangents, forward = values[:spec.n_outputs], list(values[spec.n_outputs:])
-        slots = spec.tensor_slots
+        leaves = self._leaves(forward)
+
+        def get(vals: Sequence[Any], leaf: tuple) -> Any:
+            i, j = leaf
+            return vals[i] if j is None else vals[i][j]
+
         if self.bwd is not None:
-            g = tuple(cotangents) if spec.tuple_return else cotangents[0]
+            g = spec.pack(cotangents)
             positional = [v for v, k in zip(forward, spec.kwarg_only) if not k]
             keywords = {n: v for n, v, k in zip(spec.names, forward, spec.kwarg_only) if k}
             grads = self.bwd(g, *positional, **keywords)
-            grads = tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
-            if len(grads) != len(slots):
-                raise TypeError(f"bwd returned {len(grads)} cotangents; {self.name} has {len(slots)} "
+            grads = _per_argument(grads, [forward[i] for i in spec.grad_slots])
+            if len(grads) != len(spec.grad_slots):
+                raise TypeError(f"bwd returned {len(grads)} cotangents; {self.name} has {len(spec.grad_slots)} "
                                 "tensor arguments (give None for one that needs none)")
-            by_slot = dict(zip(slots, grads))
+            by_leaf = {}
+            for i, g_i in zip(spec.grad_slots, grads):
+                if isinstance(forward[i], (list, tuple)):
+                    by_leaf.update(((i, j), g_ij) for j, g_ij in enumerate(g_i or [None] * len(forward[i])))
+                else:
+                    by_leaf[(i, None)] = g_i
         else:
-            differentiable = [i for i in slots if jnp.issubdtype(forward[i].dtype, jnp.inexact)]
+            differentiable = [leaf for leaf in leaves if get(forward, leaf) is not None
+                              and jnp.issubdtype(get(forward, leaf).dtype, jnp.inexact)]
 
             def primal(*xs: Any) -> tuple:
-                vals = list(forward)
-                for i, x in zip(differentiable, xs):
-                    vals[i] = x
+                vals = [list(v) if isinstance(v, (list, tuple)) else v for v in forward]
+                for (i, j), x in zip(differentiable, xs):
+                    if j is None:
+                        vals[i] = x
+                    else:
+                        vals[i][j] = x
                 return spec.outputs(spec.call(self.fn, vals), self.name)
             try:
-                outs, pull = jax.vjp(primal, *[forward[i] for i in differentiable])
+                outs, pull = jax.vjp(primal, *[get(forward, leaf) for leaf in differentiable])
                 grads = pull(tuple(_cotangent(c, o) for c, o in zip(cotangents, outs)))
             except Exception as error:  # noqa: BLE001 - reverse-mode AD of pallas_call, ...
                 raise KernelError(
                     f"JAX cannot differentiate {self.name} ({type(error).__name__}: {error}); give its "
                     f"backward with deferfuse.jax_op({self.name!r}, bwd=...)") from error
-            by_slot = dict(zip(differentiable, grads))
+            by_leaf = dict(zip(differentiable, grads))
         results = []
-        for i in slots:
-            x, g = forward[i], by_slot.get(i)
-            if not jnp.issubdtype(x.dtype, jnp.inexact):
+        for leaf in leaves:
+            x, g = get(forward, leaf), by_leaf.get(leaf)
+            if x is None:
+                results.append(jnp.zeros((0,), jnp.float32))
+            elif not jnp.issubdtype(x.dtype, jnp.inexact):
                 results.append(jnp.zeros((0,), x.dtype))   # (no gradient: autograd gets None)
             elif g is None:
                 results.append(jnp.zeros(x.shape, x.dtype))
@@ -359,11 +388,14 @@ class JaxOp:
     def _setup_context(self, ctx: Any, inputs: tuple, output: Any, keyword_only_inputs: Optional[dict] = None) -> None:
         spec = self.spec
         values = spec.bind(inputs, keyword_only_inputs or {})
-        slots = spec.tensor_slots
-        ctx.save_for_backward(*[values[i] for i in slots])
-        ctx.jax_values = [None if i in slots else v for i, v in enumerate(values)]
+        leaves = self._leaves(values)
+        saved = [values[i] if j is None else values[i][j] for i, j in leaves]
+        ctx.save_for_backward(*saved)
+        ctx.jax_leaves = leaves
+        ctx.jax_values = [None if i in spec.grad_slots else v for i, v in enumerate(values)]
+        ctx.jax_lengths = {i: len(values[i]) for i, j in leaves if j is not None}
         ctx.n_inputs = len(inputs)
-        outs = output if spec.tuple_return else (output,)
+        outs = output if spec.returns == "tuple" else (output,)
         ctx.out_metas = [(o.shape, o.dtype, o.device) for o in outs]
         integer = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
         if integer:
@@ -372,22 +404,40 @@ class JaxOp:
     def _backward(self, ctx: Any, *grads: Any) -> tuple:
         spec = self.spec
         values = list(ctx.jax_values)
-        saved = ctx.saved_tensors
-        for i, t in zip(spec.tensor_slots, saved):
-            values[i] = t
+        for i, n in ctx.jax_lengths.items():
+            values[i] = [None] * n
+        for (i, j), t in zip(ctx.jax_leaves, ctx.saved_tensors):
+            if j is None:
+                values[i] = t
+            else:
+                values[i][j] = t
         cotangents = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                       for g, (shape, dtype, device) in zip(grads, ctx.out_metas)]
         positional = [v for v, k in zip(values, spec.kwarg_only) if not k]
         keywords = {n: v for n, v, k in zip(spec.names, values, spec.kwarg_only) if k}
-        results = self._vjp_custom(*cotangents, *positional, **keywords)
-        results = results if isinstance(results, (tuple, list)) else (results,)
-        by_slot = dict(zip(spec.tensor_slots, results))
-        out = []
-        for i in range(ctx.n_inputs):
-            g = by_slot.get(i)
-            differentiable = g is not None and (values[i].is_floating_point() or values[i].is_complex())
-            out.append(g if differentiable else None)
-        return tuple(out)
+        flat = self._vjp_custom(*cotangents, *positional, **keywords)
+        result: list[Any] = [None] * len(values)
+        for (i, j), g, x in zip(ctx.jax_leaves, flat, ctx.saved_tensors):
+            g = g if x is not None and (x.is_floating_point() or x.is_complex()) else None
+            if j is None:
+                result[i] = g
+            else:
+                if result[i] is None:
+                    result[i] = [None] * ctx.jax_lengths[i]
+                result[i][j] = g
+        return tuple(result[:ctx.n_inputs])
+
+
+def _per_argument(grads: Any, arguments: list) -> tuple:
+    """What ``bwd`` returned as one entry per tensor argument: a lone cotangent (one argument)
+    may come bare or in a tuple of one."""
+    if len(arguments) != 1:
+        return tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
+    is_list = isinstance(arguments[0], (list, tuple))
+    if isinstance(grads, (tuple, list)) and len(grads) == 1 and \
+            (not is_list or isinstance(grads[0], (tuple, list)) or grads[0] is None):
+        return tuple(grads)
+    return (grads,)
 
 
 def _cotangent(c: Any, out: Any) -> Any:
