@@ -34,11 +34,9 @@ def learn_facts(func: torch._ops.OpOverload) -> tuple:
         # scalars, and the fingerprint of its code enters its key (an edited kernel never
         # meets an executable compiled from the old code, in memory or on disk)
         lowered = LOWERINGS.get(func)
-        if lowered is not None:
-            if lowered.runtime_floats:
-                info = dataclasses.replace(info, scalar_args=info.scalar_args | lowered.runtime_floats)
-            if lowered.fingerprint:
-                name = f"{name}@{lowered.fingerprint}"
+        if lowered is not None and lowered.fingerprint is not None:
+            info = dataclasses.replace(info, scalar_args=lowered.runtime_floats)
+            name = f"{name}@{lowered.fingerprint}"
     facts = FACTS[id(func)] = (info, _special_form(func), name)
     return facts
 

@@ -41,8 +41,8 @@ def _kind(argument: Any, static_names: frozenset[str]) -> Kind:
     if "Tensor" in text:
         raise TypeError(f"argument {argument.name!r} of type {text}: jax_op takes Tensor, Tensor?, "
                         "Tensor[] and non-tensor arguments")
-    if text in ("float", "Optional[float]", "number", "Optional[number]"):
-        return Kind.FLOAT
+    if text in ("float", "Optional[float]"):
+        return Kind.FLOAT       # (a ``Scalar``, which may be an int, is static)
     return Kind.STATIC
 
 

@@ -52,8 +52,9 @@ class Lowering:
     # the recorder then keys the op's metadata and check by grad mode too
     grad_mode_keyed: bool = False
     # a custom op's (deferfuse.jax_op): a fingerprint of the user's code, which enters the op's
-    # structural key (and so the executable caches, on disk too), and the names of its ``float``
-    # arguments that are runtime scalars (torch's own ops say that by the ``Scalar`` type)
+    # structural key (and so the executable caches, on disk too), and, for an op with a
+    # fingerprint, exactly the arguments whose Python floats are runtime scalars (torch's own
+    # ops say that by the ``Scalar`` type)
     fingerprint: Optional[str] = None
     runtime_floats: frozenset = frozenset()
 
