@@ -287,10 +287,24 @@ def test_tiny_llama_with_jax_attention_trains_as_strict():
 
 
 def test_torch_compile_treats_the_op_as_an_opaque_custom_op():
-    x, y = _inputs(4, 8), _inputs(4, 8, seed=1)
+    def step(kernel_gated, kernel_rmsnorm, x, y, w):
+        loss = kernel_rmsnorm(kernel_gated(x.sin(), y, 0.5), w, 1e-5).square().mean()
+        loss.backward()
+        return loss
+
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b: gated(a.sin(), b, 0.5) + 1, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x, y), gated_torch(x.sin(), y, 0.5) + 1)
+    forward = torch.compile(lambda x, y, w: step(gated, rmsnorm_example.rmsnorm, x, y, w).detach(),
+                            backend="aot_eager")
+    compiled_loss = torch.compile(lambda x, y, w: rmsnorm_example.rmsnorm(gated(x.sin(), y, 0.5), w, 1e-5),
+                                  backend="aot_eager", fullgraph=True)
+    x, y, w = _inputs(4, 8).requires_grad_(), _inputs(4, 8, seed=1), _inputs(8, seed=2).requires_grad_()
+    strict = [x.detach().clone().requires_grad_(), y, w.detach().clone().requires_grad_()]
+    want = step(gated_torch, rmsnorm_example.rmsnorm_reference, *strict)
+    torch.testing.assert_close(forward(x, y, w), want)
+    torch.testing.assert_close(x.grad, strict[0].grad)
+    torch.testing.assert_close(w.grad, strict[2].grad)
+    torch.testing.assert_close(compiled_loss(x, y, w),
+                               rmsnorm_example.rmsnorm_reference(gated_torch(x.sin(), y, 0.5), w, 1e-5))
 
 
 def test_import_deferfuse_does_not_import_jax():
