@@ -120,6 +120,20 @@ def test_float64_and_int64_keep_their_dtypes():
         assert values.dtype == torch.int64 and torch.equal(values, torch.topk(big + 1, 2)[0])
 
 
+@deferfuse.jax_op("test_kernels::twice")
+def twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x, x
+
+
+def test_results_never_alias_the_inputs_or_each_other():
+    x = _inputs(6)
+    first, second = twice(x)
+    assert len({x.data_ptr(), first.data_ptr(), second.data_ptr()}) == 3
+    first.add_(1)
+    assert torch.equal(second, x) and torch.equal(first, x + 1)
+    assert set(torch.library.opcheck(twice.op, (x.requires_grad_(),)).values()) == {"SUCCESS"}
+
+
 def test_fake_and_meta_tensors_never_run_the_kernel():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():

@@ -40,6 +40,7 @@ from ..exec import interop
 from ..exec.executables import x64
 from ..lower import dtypes as dtypes_
 from ..lower.registry import lowering
+from ..stats import STATS
 from .._lazy import lazy_import
 from .calls import CallSpec
 
@@ -220,13 +221,15 @@ def _tensors(values: Sequence[Any]):
 
 def _to_torch(outs: Sequence[Any], values: Sequence[Any]) -> list[torch.Tensor]:
     """The results as torch tensors over XLA's buffers (DLPack); a result that is an input's
-    memory, or another result's, is copied (a custom op's results never alias)."""
+    memory, or another result's, is copied (a custom op's results never alias), and the copy
+    counted in ``stats()["dlpack_copies"]``."""
     taken = {t.data_ptr() for t in _tensors(values) if t.numel()}
     results = []
     for a in outs:
         t = interop.to_torch(a)
         if t.numel():
             if t.data_ptr() in taken:
+                STATS.dlpack_copies += 1
                 t = t.clone()
             taken.add(t.data_ptr())
         results.append(t)
