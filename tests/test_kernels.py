@@ -234,15 +234,22 @@ def test_two_outputs_one_integer(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_bad_input_names_the_op_and_the_line_and_leaves_nothing_pending(mode):
+@pytest.mark.parametrize("case", ["the kernel's own check", "JAX's shape check"])
+def test_bad_input_names_the_op_and_the_line_and_leaves_nothing_pending(mode, case):
     x = _inputs(4, 8)
     with MODES[mode]():
         before = x * 2
-        with pytest.raises(ValueError) as error:
-            rmsnorm_example.rmsnorm(before, torch.ones(5))
+        if case == "the kernel's own check":
+            with pytest.raises(ValueError) as error:
+                rmsnorm_example.rmsnorm(before, torch.ones(5))
+            name = "deferfuse_examples::rmsnorm"
+        else:
+            with pytest.raises(TypeError) as error:
+                gated(before, _inputs(3, 8), 0.5)
+            name = "test_kernels::gated"
         after = before + 1
     text = str(error.value) + " ".join(getattr(error.value, "__notes__", ()))
-    assert "deferfuse_examples::rmsnorm" in text and f"{os.path.basename(__file__)}:" in text, text
+    assert name in text and f"{os.path.basename(__file__)}:" in text, text
     torch.testing.assert_close(after, x * 2 + 1)
 
 
@@ -329,6 +336,21 @@ def test_import_deferfuse_does_not_import_jax():
 
 
 # -- an edited kernel never runs an old cached executable -----------------------------------------
+def test_fingerprints_follow_the_code_closures_and_version():
+    from deferfuse.kernels.jax_op import fingerprint
+
+    def make(scale):
+        def kernel(x):
+            return x * scale
+        return kernel
+
+    assert fingerprint(make(2.0), None, None) == fingerprint(make(2.0), None, None)
+    assert fingerprint(make(2.0), None, None) != fingerprint(make(3.0), None, None)
+    assert fingerprint(make(2.0), None, "7") == fingerprint(make(3.0), None, "7") == "v7"
+    assert gated.fingerprint != combo.fingerprint or gated.fn.__code__ is combo.fn.__code__
+
+
+
 KERNEL = textwrap.dedent("""
     import jax, torch, deferfuse
 

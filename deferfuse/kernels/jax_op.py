@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import marshal
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -239,22 +238,42 @@ def _to_torch(outs: Sequence[Any], values: Sequence[Any]) -> list[torch.Tensor]:
 def fingerprint(fn: Callable, bwd: Optional[Callable], version: Any) -> str:
     """What identifies the code of a kernel: ``version`` when given, else a hash of the source
     files defining ``fn`` and ``bwd`` (so an edit of a helper in the same file counts), or of
-    their byte code where there is no file."""
+    their byte code where there is no file, and of the simple values (numbers, strings, tuples
+    of them) their closures hold: a kernel made by a factory is another kernel for another
+    value."""
     if version is not None:
         return f"v{version}"
     digest = hashlib.sha256()
     for f in (fn, bwd):
         if f is None:
             continue
-        digest.update(getattr(f, "__qualname__", repr(type(f))).encode())
+        digest.update(getattr(f, "__qualname__", type(f).__qualname__).encode())
+        code = getattr(f, "__code__", None)
         try:
             path = inspect.getsourcefile(f)
             with open(path, "rb") as source:
                 digest.update(source.read())
         except (OSError, TypeError):
-            code = getattr(f, "__code__", None)
-            digest.update(marshal.dumps(code) if code is not None else repr(f).encode())
+            digest.update(_code_text(code).encode() if code is not None else repr(f).encode())
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:   # (an empty cell)
+                continue
+            digest.update(repr(value).encode() if _simple(value) else type(value).__qualname__.encode())
     return digest.hexdigest()[:16]
+
+
+def _simple(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    return isinstance(value, (tuple, frozenset)) and all(_simple(v) for v in value)
+
+
+def _code_text(code: Any) -> str:
+    """A stable text of a code object (marshal's bytes depend on reference counts)."""
+    consts = tuple(_code_text(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts)
+    return repr((code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars))
 
 
 class JaxOp:
