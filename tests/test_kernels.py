@@ -218,6 +218,25 @@ def test_training_step_gradients_equal_torch(mode):
         assert deferfuse.stats()["fallbacks"] == {}
 
 
+def test_with_the_user_defaults_every_tier_runs_the_kernel(user_defaults):
+    """First sightings at once, eager replays while compiling, then compiled: each runs the op."""
+    x, y, w = _inputs(6, 16).requires_grad_(), _inputs(6, 16, seed=1), _inputs(16, seed=2)
+    for call in user_defaults.calls(5):
+        x.grad = None
+        with deferfuse.defer():
+            loss = rmsnorm_example.rmsnorm(gated(torch.tanh(x), y, float(call)), w, 1e-5).square().mean()
+            loss.backward()
+        strict_x = x.detach().clone().requires_grad_()
+        want = rmsnorm_example.rmsnorm_reference(gated_torch(torch.tanh(strict_x), y, float(call)), w, 1e-5)
+        want.square().mean().backward()
+        torch.testing.assert_close(loss, want.square().mean())
+        torch.testing.assert_close(x.grad, strict_x.grad)
+    stats = deferfuse.stats()
+    assert stats["fallbacks"] == {}
+    if user_defaults.block_tier == "deferred":
+        assert stats["unseen_ops_run"] and stats["eager_replays"] and stats["executions"], stats
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_two_outputs_one_integer(mode):
     x = _inputs(5, 12).requires_grad_()

@@ -116,7 +116,7 @@ def _weak(x: Any) -> Any:
     try:
         from jax._src.lax.lax import _convert_element_type
         return _convert_element_type(x, weak_type=True)
-    except (ImportError, TypeError):   # (JAX's internals moved: a float64 scalar)
+    except (ImportError, AttributeError, TypeError):   # (JAX's internals moved: a float64 scalar)
         return x
 
 
