@@ -23,12 +23,14 @@ from . import errors
 from .errors import DeferfuseError, FallbackReason, FlushReason, LoweringError, ModeError
 from .modes import EagerMode, debug, defer, get_mode, mode, set_mode, strict
 from .debugging.explain import explain, plan_dot, stablehlo
+from .kernels import jax_op
 from .stats import STATS as _STATS
 
 __all__ = [
     "EagerMode", "mode", "defer", "debug", "strict", "set_mode", "get_mode", "sync",
     "is_materialized", "stats", "reset_stats", "config", "DeferredTensor", "DeferfuseError",
     "ModeError", "FlushReason", "FallbackReason", "LoweringError", "explain", "plan_dot", "stablehlo",
+    "jax_op",
 ]
 
 

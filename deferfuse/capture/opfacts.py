@@ -4,10 +4,12 @@ calls are keyed by grad mode, and for an in-place op its functional twin (one no
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
+from ..lower.registry import LOWERINGS
 from ..lower.table import get_lowering
 from .classify import OpKind, functional_variant, op_info
 from .unroll import DECOMPOSITIONS, unroll_foreach
@@ -26,8 +28,20 @@ FACTS: dict[int, tuple] = {}
 
 
 def learn_facts(func: torch._ops.OpOverload) -> tuple:
-    facts = FACTS[id(func)] = (op_info(func), _special_form(func), str(func))
+    info, name = op_info(func), str(func)
+    if func.namespace not in _TORCH_NAMESPACES:
+        # a custom op with a lowering (deferfuse.jax_op): its ``float`` arguments are runtime
+        # scalars, and the fingerprint of its code enters its key (an edited kernel never
+        # meets an executable compiled from the old code, in memory or on disk)
+        lowered = LOWERINGS.get(func)
+        if lowered is not None and lowered.fingerprint is not None:
+            info = dataclasses.replace(info, scalar_args=lowered.runtime_floats)
+            name = f"{name}@{lowered.fingerprint}"
+    facts = FACTS[id(func)] = (info, _special_form(func), name)
     return facts
+
+
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d", "quantized", "rngprims"})
 
 
 # id(op) -> whether its calls are keyed by grad mode too (Lowering.grad_mode_keyed), asked only

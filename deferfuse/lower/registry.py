@@ -51,15 +51,22 @@ class Lowering:
     # whether torch's kernel gives other outputs under grad mode (an LSTM layer's workspace):
     # the recorder then keys the op's metadata and check by grad mode too
     grad_mode_keyed: bool = False
+    # a custom op's (deferfuse.jax_op): a fingerprint of the user's code, which enters the op's
+    # structural key (and so the executable caches, on disk too), and, for an op with a
+    # fingerprint, exactly the arguments whose Python floats are runtime scalars (torch's own
+    # ops say that by the ``Scalar`` type)
+    fingerprint: Optional[str] = None
+    runtime_floats: frozenset = frozenset()
 
 
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
 
 
 def lowering(*ops: torch._ops.OpOverload, check: Optional[Checker] = None,
-             grad_mode_keyed: bool = False) -> Callable[[Rule], Rule]:
-    """Register ``rule`` as the lowering of each overload in ``ops`` (``grad_mode_keyed``: see
-    Lowering)."""
+             grad_mode_keyed: bool = False, fingerprint: Optional[str] = None,
+             runtime_floats: frozenset = frozenset()) -> Callable[[Rule], Rule]:
+    """Register ``rule`` as the lowering of each overload in ``ops`` (``grad_mode_keyed``,
+    ``fingerprint``, ``runtime_floats``: see Lowering)."""
     for op in ops:
         if not isinstance(op, torch._ops.OpOverload):
             raise TypeError(f"lowering() takes aten overloads such as aten.add.Tensor, got {op!r}")
@@ -70,7 +77,7 @@ def lowering(*ops: torch._ops.OpOverload, check: Optional[Checker] = None,
                 raise DuplicateLoweringError(
                     f"{op} already lowered by {LOWERINGS[op].rule.__module__}."
                     f"{LOWERINGS[op].rule.__qualname__}; remove one of the two registrations")
-            LOWERINGS[op] = Lowering(op, rule, check, grad_mode_keyed)
+            LOWERINGS[op] = Lowering(op, rule, check, grad_mode_keyed, fingerprint, frozenset(runtime_floats))
         return rule
 
     return register
