@@ -178,6 +178,7 @@ class SegmentedDeferMode(DeferMode):
                 # segment's writes go to memory that the next deferred segment reads afresh)
                 drop_reads(recorder.real_states)
                 recorder.real_states.clear()
+                forget_frames()   # (the frames the last walk kept: their locals stay alive)
         elif self.suspended:
             if self._left == (torch._C._len_torch_dispatch_stack(), _current_mode()):
                 self.suspended = False
