@@ -25,6 +25,7 @@ overrides both.
 from __future__ import annotations
 
 import importlib
+import sys
 from importlib import metadata
 from typing import Any, Callable, Optional
 
@@ -42,10 +43,17 @@ INSTALL = "pip install 'deferfuse[tokamax]'"
 def load() -> Any:
     """The ``tokamax`` module; an ImportError saying how to install it when it is missing."""
     try:
-        return importlib.import_module("tokamax")
+        module = importlib.import_module("tokamax")
     except ImportError as error:
         raise ImportError(f"deferfuse's tokamax ops need the tokamax package ({error}); "
                           f"install it with: {INSTALL}") from error
+    # tokamax 0.0.12 reads its options from absl flags, parsing the whole sys.argv the first
+    # time, which fails on any argument absl does not know (pytest's -q, a script's own flags).
+    # Parse only the flags that are defined (tokamax's --tokamax_* ones), as later tokamax does.
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv, known_only=True)
+    return module
 
 
 def _installed_version() -> str:
