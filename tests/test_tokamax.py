@@ -161,6 +161,8 @@ def test_gated_linear_unit_equals_torch(mode):
     x, weights = _inputs(2, 6, 16), _inputs(16, 2, 8, seed=1)
     for activation in ("silu", "gelu", None):
         _compare(mode, tk.gated_linear_unit, glu_torch, (x, weights), dict(activation=activation))
+    _compare(mode, lambda *a: tk.gated_linear_unit(*a, activation="relu", precision="highest"),
+             lambda *a: glu_torch(*a, activation="relu"), (x, weights))
 
 
 @needs_tokamax
