@@ -187,12 +187,29 @@ def test_linear_softmax_cross_entropy_loss_equals_torch(mode):
 
 
 @needs_tokamax
-def test_opcheck_passes():
+def test_sin_layer_norm_add_sum_is_one_xla_execution_with_no_fallback():
+    x, scale = _inputs(16, 32), _inputs(32, seed=1)
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        total = (tk.layer_norm(torch.sin(x), scale, None) + 1).sum()
+    stats = deferfuse.stats()
+    torch.testing.assert_close(total, (layer_norm_torch(torch.sin(x), scale, None) + 1).sum())
+    assert stats["executions"] == 1 and stats["fallbacks"] == {} and stats["eager_replays"] == 0, stats
+
+
+@needs_tokamax
+def test_opcheck_passes_for_every_op():
     x = _inputs(4, 16).requires_grad_()
-    args = (x, _inputs(16, 2, 8, seed=1).requires_grad_())
-    assert set(torch.library.opcheck(tk.gated_linear_unit.op, args, {"activation": "silu"}).values()) == {"SUCCESS"}
-    args = (x, _inputs(3, 16, 8, seed=1).requires_grad_(), torch.tensor([1, 2, 1]))
-    assert set(torch.library.opcheck(tk.ragged_dot.op, args).values()) == {"SUCCESS"}
+    q, k = _inputs(1, 4, 2, 8).requires_grad_(), _inputs(1, 4, 1, 8, seed=1).requires_grad_()
+    calls = [
+        (tk.dot_product_attention, (q, k, k), {"is_causal": True}),
+        (tk.layer_norm, (x, _inputs(16, seed=1).requires_grad_(), None), {}),
+        (tk.gated_linear_unit, (x, _inputs(16, 2, 8, seed=1).requires_grad_()), {"activation": "silu"}),
+        (tk.ragged_dot, (x, _inputs(3, 16, 8, seed=1).requires_grad_(), torch.tensor([1, 2, 1])), {}),
+        (tk.linear_softmax_cross_entropy_loss, (x, torch.tensor([0, 3, 1, 2]), _inputs(16, 5, seed=1)), {}),
+    ]
+    for op, args, kwargs in calls:
+        assert set(torch.library.opcheck(op.op, args, kwargs).values()) == {"SUCCESS"}, op
 
 
 @needs_tokamax
