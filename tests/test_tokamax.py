@@ -226,6 +226,20 @@ def test_bad_input_names_the_op_and_leaves_nothing_pending(mode):
 # -- transformers --------------------------------------------------------------------------------
 
 @needs_tokamax
+def test_hf_attention_takes_boolean_and_additive_masks_as_sdpa():
+    q, k, v = _inputs(2, 4, 6, 8), _inputs(2, 2, 6, 8, seed=1), _inputs(2, 2, 6, 8, seed=2)   # SDPA's layout
+    keep = _inputs(2, 1, 6, 6, seed=3) > -0.5
+    additive = torch.zeros(2, 1, 6, 6).masked_fill(~keep, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    for mask, causal in ((keep, None), (additive, None), (None, True)):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=bool(causal), scale=0.5,
+                                              enable_gqa=True).transpose(1, 2)
+        got, weights = tk.hf_attention(module, q, k, v, mask, scaling=0.5, is_causal=causal)
+        assert weights is None
+        torch.testing.assert_close(got, want)
+
+
+@needs_tokamax
 def test_tiny_llama_with_tokamax_attention_trains_as_strict_sdpa():
     from bench import zoo_models as zoo
     name = tk.register_with_transformers()
