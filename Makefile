@@ -9,12 +9,13 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch==2.13.0 first: that pin takes the CPU wheel on these machines; an unpinned torch would
-# pull a multi-GB CUDA build.
+# pull a multi-GB CUDA build.  The tokamax extra (121 MB installed, a few seconds from the
+# registry) so that tests/test_tokamax.py runs in CI rather than skipping.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[test,bench,tokamax]'
 	touch $(STAMP)
 
 test: $(STAMP)
