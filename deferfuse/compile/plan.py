@@ -162,10 +162,13 @@ def _lowering_for(node: torch.fx.Node, op: torch._ops.OpOverload, values: dict) 
 
 
 def map_nodes(a: Any, leaf) -> Any:
+    """``a`` (an fx argument tree) with each Node replaced by ``leaf(node)``."""
     if isinstance(a, torch.fx.Node):
         return leaf(a)
-    if type(a) in (list, tuple):
-        return type(a)(map_nodes(x, leaf) for x in a)
+    if isinstance(a, tuple):
+        return tuple(map_nodes(x, leaf) for x in a)
+    if isinstance(a, list):     # (fx's immutable_list too)
+        return [map_nodes(x, leaf) for x in a]
     if isinstance(a, dict):
         return {k: map_nodes(v, leaf) for k, v in a.items()}
     return a
@@ -376,15 +379,16 @@ class _CountedRule:
 
     __slots__ = ("rule", "positions")
 
-    def __init__(self, rule, positions: Optional[tuple] = None) -> None:
+    def __init__(self, rule, positions: Optional[int] = None) -> None:
         self.rule = rule
-        self.positions = positions    # of a multi-output op: the outputs that are tensors
+        self.positions = positions    # of a multi-output op: how many tensors it returns
 
     def __call__(self, ctx, *args, **kwargs):
         STATS.compiled_rule_calls += 1
         out = self.rule(ctx, *args, **kwargs)
-        if self.positions is not None:
-            out = tuple(out[i] for i in self.positions)
+        if self.positions is not None and isinstance(out, (tuple, list)) and len(out) > self.positions:
+            # (rules return the tensor outputs only, as ctx.out lists them; a None is dropped)
+            out = tuple(o for o in out if o is not None)
         return out
 
 
@@ -394,47 +398,66 @@ def _dropout_rule(ctx, x, p, train, *, mask):
     return x * mask.astype(x.dtype) * jnp.asarray(scale, x.dtype)
 
 
+def _structure(a: Any) -> Any:
+    """The cache-key form of a step's argument template."""
+    if isinstance(a, Ref):
+        return ("v", a.index)
+    if isinstance(a, (tuple, list)):
+        return tuple(_structure(x) for x in a)
+    if isinstance(a, dict):
+        return tuple(sorted((k, _structure(v)) for k, v in a.items()))
+    return a
+
+
+def _layout(meta: TensorMeta) -> tuple:
+    return (meta.shape, meta.stride, meta.dtype)
+
+
 def _build_program(p: Partition, steps: list, values: dict, slot_meta: dict, graph_key: str,
                    spec_key: tuple) -> None:
+    """The partition's Signature and program.  The key is the program's own structure (each
+    step's op, argument template, constants and output layouts; the inputs' layouts; the
+    settings that change code), not the fx graph's text: two graphs that plan the same
+    computation (Dynamo's static graph and its dynamic recompilation at one shape) share one
+    executable."""
     local = {s: i for i, s in enumerate(p.inputs)}
     n_inputs = len(p.inputs)
-    plan_steps: list[tuple] = []
+    templates = []
     entries = []
     next_id = n_inputs
     for node, lowering, op, outs in steps:
+        def arg(n: torch.fx.Node) -> Any:
+            v = values[n]
+            if isinstance(v, torch.Tensor):
+                return Ref("v", local[slot_of_arg(n)])
+            return concrete(v)
+        args = tuple(map_nodes(node.args, arg))
+        kwargs = map_nodes(dict(node.kwargs), arg)
+        if node.target is aten.native_dropout.default:
+            kwargs = {"mask": Ref("v", local[(node.name, 1)])}
+            args = args + (True,) * (3 - len(args))
         out_ids = tuple(range(next_id, next_id + len(outs)))
         for s, i in zip(outs, out_ids):
             local[s] = i
         next_id += len(outs)
-        plan_steps.append((node, lowering, op, outs, out_ids))
-        entries.append((str(op), out_ids))
+        templates.append((node, lowering, op, outs, out_ids, args, kwargs))
+        entries.append((str(op), _structure(args), _structure(kwargs), tuple(_layout(slot_meta[s]) for s in outs)))
     out_ids = tuple(local[s] for s in p.outputs)
-    avals = tuple((slot_meta[s].shape, slot_meta[s].dtype) for s in p.inputs)
-    p.avals = avals
-    p.signature = Signature(("deferfuse.compile", graph_key, p.index, spec_key, tuple(entries), out_ids,
-                             config.compile_key()))
+    p.avals = tuple((slot_meta[s].shape, slot_meta[s].dtype) for s in p.inputs)
+    p.signature = Signature(("deferfuse.compile", tuple(_layout(slot_meta[s]) for s in p.inputs),
+                             tuple(entries), out_ids, config.compile_key()))
 
     def make_program() -> Program:
         program_steps = []
-        for node, lowering, op, outs, ids in plan_steps:
-            def arg(n: torch.fx.Node) -> Any:
-                v = values[n]
-                if isinstance(v, torch.Tensor):
-                    return Ref("v", local[slot_of_arg(n)])
-                return concrete(v)
-            args = map_nodes(node.args, arg)
-            kwargs = map_nodes(dict(node.kwargs), arg)
+        for node, lowering, op, outs, ids, args, kwargs in templates:
             metas = [slot_meta[s] for s in outs]
             if node.target is aten.native_dropout.default:
-                rule = _CountedRule(_dropout_rule)
-                kwargs = {"mask": Ref("v", local[(node.name, 1)])}
-                args = tuple(args) + (True,) * (3 - len(args))
-                ctx = None
+                rule, ctx = _CountedRule(_dropout_rule), None
             else:
                 multi = isinstance(values[node], (tuple, list))
-                rule = _CountedRule(lowering.rule, tuple(s[1] for s in outs) if multi else None)
+                rule = _CountedRule(lowering.rule, len(outs) if multi else None)
                 ctx = _context(node, op, values)
-            program_steps.append(Step(rule, ctx, tuple(args), kwargs, ids, metas, None, op))
+            program_steps.append(Step(rule, ctx, args, kwargs, ids, metas, None, op))
         return Program(n_inputs, program_steps, out_ids)
 
     p.make_program = make_program
