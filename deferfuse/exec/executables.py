@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -263,7 +264,8 @@ def load_from_disk(sig: Any, make_program, avals: tuple, n_scalars: int) -> Opti
         return None
     compiled = Compiled(*loaded)
     compiled.signature = sig
-    compiled.relower = lambda: lower_program(make_program(), avals, n_scalars)
+    # (the program is made now, while the graph it reads is alive; tracing it waits)
+    compiled.relower = functools.partial(lower_program, make_program(), avals, n_scalars)
     _store(sig, compiled)
     return compiled
 
