@@ -264,7 +264,9 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
             units.append(WriteBack(node))
             where[node.name] = "writeback"
             continue
-        if is_random(target):
+        lowering, lowered_op, reason = (None, target, "") if not isinstance(target, torch._ops.OpOverload) \
+            else _lowering_for(node, target, values)
+        if is_random(target) and lowering is None:
             if drawn_ahead(target) and not (target is aten.native_dropout.default and not _dropout_trains(node)):
                 slots = tensor_slots(node)
                 if target is aten.native_dropout.default:
@@ -285,7 +287,6 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
             where[node.name] = "torch"
             tensor_slots(node)
             continue
-        lowering, lowered_op, reason = _lowering_for(node, target, values)
         if lowering is None:
             close()
             units.append(OnTorch(node, True, reason))
@@ -330,9 +331,19 @@ def _torch_side(n: Any, where: dict) -> bool:
     return isinstance(n, torch.fx.Node) and where.get(n.name) == "torch"
 
 
+def _lowerable(op: Any) -> bool:
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    if get_lowering(op) is not None:
+        return True
+    twin = view_twin(op)
+    return twin is not None and get_lowering(twin) is not None
+
+
 def _needed_by_torch(node: torch.fx.Node) -> bool:
-    return any(u.op == "output" or not (u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload))
-               or get_lowering(u.target) is None for u in node.users)
+    """Whether a node's value leaves the graph or may feed an op torch runs."""
+    return any(u.op == "output" or (u.op == "call_function" and u.target is not operator.getitem
+                                    and not _lowerable(u.target)) for u in node.users)
 
 
 def slot_of_arg(n: torch.fx.Node) -> tuple:
