@@ -269,3 +269,28 @@ def test_importing_deferfuse_registers_no_backend():
     import importlib
     importlib.reload(dcompile)
     assert dict(registry._COMPILER_FNS).keys() == before.keys()
+
+
+def test_a_compiled_function_inside_a_defer_block_is_recorded_with_the_code_around_it():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    f = compiled(model)
+    x = torch.randn(4, 8)
+    f(x)                                   # compiled outside any block
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        out = f(x * 2) + 1                 # Dynamo runs the code under the mode: its aten ops are recorded
+    torch.testing.assert_close(out, model(x * 2) + 1, **TOL)
+    stats = deferfuse.stats()
+    assert stats["ops_recorded"] > 2 and stats["compiled_specializations"] == 0
+    assert sum(stats["flushes"].values()) == 1
+
+
+def test_debug_mode_runs_a_compiled_function_op_by_op_with_its_checks():
+    f = compiled(lambda x, i: x[i] * 2)
+    x, i = torch.randn(4), torch.tensor([0, 3])
+    torch.testing.assert_close(f(x, i), x[i] * 2)
+    with deferfuse.debug():
+        torch.testing.assert_close(f(x, i), x[i] * 2)
+        with pytest.raises(IndexError):
+            f(x, torch.tensor([0, 7]))
