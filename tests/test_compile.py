@@ -294,3 +294,15 @@ def test_debug_mode_runs_a_compiled_function_op_by_op_with_its_checks():
         torch.testing.assert_close(f(x, i), x[i] * 2)
         with pytest.raises(IndexError):
             f(x, torch.tensor([0, 7]))
+
+
+def test_explain_shows_partitions_and_fallbacks_and_stablehlo_works():
+    def f(x):
+        return plain_torch(torch.tanh(x) + 1).exp()
+
+    x = torch.randn(4)
+    torch.testing.assert_close(torch.compile(f, backend=dcompile.backend)(x), f(x), **TOL)
+    graph = dcompile.compiled_graphs()[-1]
+    text = dcompile.explain(graph)
+    assert "XLA partition 0" in text and "plain_torch" in text and "no lowering" in text
+    assert "stablehlo" in dcompile.stablehlo(graph, 0) or "func.func" in dcompile.stablehlo(graph, 0)

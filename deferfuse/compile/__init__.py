@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from .. import config
+from .explain import explain, stablehlo  # noqa: F401
 from .runtime import CompiledGraph, compiled_graphs, forget  # noqa: F401
 
 # torch.compile's modes: no mode changes what this backend does (no CUDA graphs, no autotuning)
