@@ -184,7 +184,15 @@ class _Run:
         meta = self.plan.slot_meta.get(slot)
         if meta is not None and t.numel() > 1 and tuple(t.stride()) != meta.stride:
             out = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
-            out.copy_(t)
+            src, dst = t, out
+            # an expanded layout (stride 0) is written through one element of each such dim
+            for d, (size, stride) in enumerate(zip(meta.shape, meta.stride)):
+                if stride == 0 and size > 1:
+                    src, dst = src.narrow(d, 0, 1), dst.narrow(d, 0, 1)
+            try:
+                dst.copy_(src)
+            except RuntimeError:   # a layout whose elements overlap otherwise: XLA's is returned
+                return t
             t = out
         return t
 
