@@ -235,40 +235,59 @@ def test_a_second_process_compiles_and_lowers_nothing(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _entry_point_installed() -> bool:
-    from importlib.metadata import entry_points
-    return "deferfuse" in entry_points(group="torch_dynamo_backends").names
+def _entry_point_metadata(folder) -> str:
+    """A dist-info folder declaring pyproject.toml's torch_dynamo_backends entry points, for a
+    process whose installed deferfuse metadata predates them (the venv is installed from another
+    tree): Python finds entry points in any ``*.dist-info`` on sys.path, as it finds the
+    installed package's."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["torch_dynamo_backends"]
+    info = folder / "deferfuse_entry_points-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deferfuse-entry-points\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[torch_dynamo_backends]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
+    return str(folder)
 
 
-# NOTE: the entry point is read from the installed package's metadata: this test runs once the
-# package is installed (pip install -e .) from a tree whose pyproject.toml declares it.
-@pytest.mark.skipif(not _entry_point_installed(),
-                    reason="the installed deferfuse metadata has no torch_dynamo_backends entry point: reinstall (pip install -e .)")
-def test_the_backend_is_found_by_name_without_importing_deferfuse():
+def test_the_backend_is_found_by_name_in_a_process_that_never_imported_deferfuse(tmp_path):
     script = textwrap.dedent("""
         import json, sys
         import torch
-        names = torch._dynamo.list_backends()
+        listed = "deferfuse" in torch._dynamo.list_backends()
+        imported_before = "deferfuse" in sys.modules
         x = torch.randn(4, 4)
         got = torch.compile(lambda x: (x * 2).sin(), backend="deferfuse")(x)
-        ok = torch.allclose(got, (x * 2).sin(), rtol=1e-5, atol=1e-6)
-        print(json.dumps({"listed": "deferfuse" in names, "ok": ok,
-                          "imported_before": "deferfuse" in names and True}))
+        import deferfuse
+        print(json.dumps({"listed": listed, "imported_before": imported_before,
+                          "ok": torch.allclose(got, (x * 2).sin(), rtol=1e-5, atol=1e-6),
+                          "graphs": deferfuse.stats()["compiled_graphs"]}))
     """)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # (the metadata folder only where the installed package does not declare the entry point yet)
+    from importlib.metadata import entry_points
+    installed = "deferfuse" in entry_points(group="torch_dynamo_backends").names
+    path = [ROOT] + ([] if installed else [_entry_point_metadata(tmp_path)])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
+                          timeout=240, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["listed"] and result["ok"]
+    assert result == {"listed": True, "imported_before": False, "ok": True, "graphs": 1}
 
 
 def test_importing_deferfuse_registers_no_backend():
-    from torch._dynamo.backends import registry
-    before = dict(registry._COMPILER_FNS)
-    import importlib
-    importlib.reload(dcompile)
-    assert dict(registry._COMPILER_FNS).keys() == before.keys()
+    script = textwrap.dedent("""
+        import torch
+        from torch._dynamo.backends import registry
+        before = set(registry._COMPILER_FNS)
+        import deferfuse, deferfuse.compile
+        print(sorted(set(registry._COMPILER_FNS) - before))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_a_compiled_function_inside_a_defer_block_is_recorded_with_the_code_around_it():

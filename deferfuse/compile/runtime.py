@@ -34,8 +34,8 @@ jax = lazy_import("jax", globals(), "jax")
 
 log = logging.getLogger("deferfuse")
 
-# every graph compiled in this process, for explain() (weakly: Dynamo owns them)
-GRAPHS: "weakref.WeakSet[CompiledGraph]" = weakref.WeakSet()
+# every graph compiled in this process, oldest first, for explain() (weakly: Dynamo owns them)
+GRAPHS: "list[weakref.ref[CompiledGraph]]" = []
 
 
 def _is_symbolic(v: Any) -> bool:
@@ -80,7 +80,8 @@ class CompiledGraph:
         self.plans: "collections.OrderedDict[tuple, Plan]" = collections.OrderedDict()
         self.warned = False
         STATS.compiled_graphs += 1
-        GRAPHS.add(self)
+        GRAPHS[:] = [r for r in GRAPHS if r() is not None]
+        GRAPHS.append(weakref.ref(self))
 
     # -- specializations -------------------------------------------------------------------
 
@@ -254,11 +255,11 @@ class _Run:
 
 
 def compiled_graphs() -> list[CompiledGraph]:
-    """The graphs this process compiled that are still alive."""
-    return list(GRAPHS)
+    """The graphs this process compiled that are still alive, oldest first."""
+    return [g for g in (r() for r in GRAPHS) if g is not None]
 
 
 def forget(graph: Optional[CompiledGraph] = None) -> None:
     """Drop the plans of ``graph`` (or of every graph): the next call plans again."""
-    for g in ([graph] if graph is not None else list(GRAPHS)):
+    for g in ([graph] if graph is not None else compiled_graphs()):
         g.plans.clear()
