@@ -34,12 +34,15 @@ import torch.fx
 
 from .. import config
 from ..exec.program import Program, Ref, Signature, Step
+from ..ir.graph import Value
 from ..ir.meta import TensorMeta
 from ..lower.registry import LoweringContext
 from ..lower.table import get_lowering
+from ..plan import cost
 from ..stats import STATS
 from .._lazy import lazy_import
 
+jax = lazy_import("jax", globals(), "jax")
 jnp = lazy_import("jax.numpy", globals(), "jnp")
 
 aten = torch.ops.aten
@@ -424,6 +427,25 @@ def _layout(meta: TensorMeta) -> tuple:
     return (meta.shape, meta.stride, meta.dtype)
 
 
+def _ordering_operand(op: Any, node: torch.fx.Node, values: dict, slot_meta: dict, outs: list) -> Optional[int]:
+    """Defer mode's ``order_compute`` for a product of this program (``plan/cost.py``): the
+    operand through which it runs after the previous product, or None."""
+    def arg(n: torch.fx.Node) -> Any:
+        v = values[n]
+        return Value(None, 0, meta_of(v)) if isinstance(v, torch.Tensor) else v
+    standin = _CostView(op, tuple(map_nodes(node.args, arg)), tuple(slot_meta[s] for s in outs))
+    return cost.ordering_operand(standin)
+
+
+class _CostView:
+    """What the cost model reads of a node: its op, arguments (tensors as Values) and outputs."""
+
+    __slots__ = ("op", "args", "out_metas")
+
+    def __init__(self, op: Any, args: tuple, out_metas: tuple) -> None:
+        self.op, self.args, self.out_metas = op, args, out_metas
+
+
 def _build_program(p: Partition, steps: list, values: dict, slot_meta: dict, graph_key: str,
                    spec_key: tuple) -> None:
     """The partition's Signature and program.  The key is the program's own structure (each
@@ -458,9 +480,12 @@ def _build_program(p: Partition, steps: list, values: dict, slot_meta: dict, gra
     p.signature = Signature(("deferfuse.compile", tuple(_layout(slot_meta[s]) for s in p.inputs),
                              tuple(entries), out_ids, config.compile_key()))
 
+    ordering = config.get("order_compute") and jax.default_backend() == "cpu"
+
     def make_program() -> Program:
         program_steps = []
         for node, lowering, op, outs, ids, args, kwargs in templates:
+            ordered_by = _ordering_operand(op, node, values, slot_meta, outs) if ordering else None
             metas = [slot_meta[s] for s in outs]
             if node.target is aten.native_dropout.default:
                 rule, ctx = _CountedRule(_dropout_rule), None
@@ -468,7 +493,7 @@ def _build_program(p: Partition, steps: list, values: dict, slot_meta: dict, gra
                 multi = isinstance(values[node], (tuple, list))
                 rule = _CountedRule(lowering.rule, len(outs) if multi else None)
                 ctx = _context(node, op, values)
-            program_steps.append(Step(rule, ctx, args, kwargs, ids, metas, None, op))
+            program_steps.append(Step(rule, ctx, args, kwargs, ids, metas, None, op, ordered_by))
         return Program(n_inputs, program_steps, out_ids)
 
     p.make_program = make_program
