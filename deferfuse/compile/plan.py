@@ -34,6 +34,7 @@ import torch.fx
 
 from .. import config
 from ..exec.program import Program, Ref, Signature, Step
+from ..ir.foreach import foreach_binding
 from ..ir.graph import Value
 from ..ir.meta import TensorMeta
 from ..lower.registry import Lowering, LoweringContext
@@ -102,6 +103,54 @@ def meta_of(value: Any) -> TensorMeta:
         extent = 1 + sum((s - 1) * st for s, st in zip(value.shape, value.stride()) if s > 0)
         return TensorMeta(tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype,
                           torch.device("cpu"), extent)
+
+
+def unroll_foreach_nodes(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``gm``'s foreach nodes that have no lowering into one per-element node per list
+    element (as defer mode unrolls them, ``ir/foreach.py``), so each element joins a partition;
+    returns how many were rewritten.  A node whose results are used other than by index stays."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) \
+                or not op._schema.name.startswith("aten::_foreach_") or get_lowering(op) is not None:
+            continue
+        binding = foreach_binding(op)
+        if binding is None or binding.copy_back or not op._schema.returns or not all(
+                u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
+                for u in node.users):
+            continue
+        schema_args = op._schema.arguments
+        args = list(node.args) + [node.kwargs.get(a.name, a.default_value)
+                                  if a.name in node.kwargs or a.has_default_value() else None
+                                  for a in schema_args[len(node.args):]]
+        lists = [v for v, listed in zip(args, binding.listed) if listed]
+        if not lists or not all(isinstance(v, (list, tuple)) for v in lists):
+            continue
+        val = node.meta.get("val")
+        elements = []
+        with gm.graph.inserting_before(node):
+            for i in range(len(lists[0])):
+                pos, kw = [], {}
+                for value, name, kwarg_only, listed in zip(args, binding.names, binding.kwarg_only, binding.listed):
+                    element = value[i] if listed else value
+                    if kwarg_only:
+                        kw[name] = element
+                    else:
+                        pos.append(element)
+                element_node = gm.graph.call_function(binding.op, tuple(pos), kw)
+                if val is not None:
+                    element_node.meta["val"] = val[i]
+                elements.append(element_node)
+        for user in list(node.users):
+            user.replace_all_uses_with(elements[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
 
 
 # -- units ---------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ class CompiledGraph:
         # (in the instance's dict: AOTAutograd wraps the backward in torch._dynamo.disable,
         # whose functools.wraps copies the dict, not class attributes)
         self._boxed_call = True
+        plan_.unroll_foreach_nodes(gm)
         self.gm = gm
         self.kind = kind
         self.settings = dict(settings)
