@@ -347,3 +347,47 @@ def test_a_compiled_foreach_adamw_step_is_one_xla_computation_equal_to_eager():
     stats = deferfuse.stats()
     assert stats["compiled_fallbacks"] == {}      # the foreach ops unrolled into lowered element ops
     assert stats["compiled_partitions"] == stats["compiled_specializations"]
+
+
+def test_random_ops_draw_eager_numbers_in_eager_order():
+    def f(x):
+        a = x + torch.rand_like(x)
+        b = torch.randn(3, 4) * a
+        return torch.nn.functional.dropout(b, 0.5) + torch.randint(0, 5, (3, 4))
+
+    x = torch.randn(3, 4)
+    g = torch.compile(f, backend=dcompile.backend)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        expected = f(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(g(x), expected, **TOL)
+    assert deferfuse.stats()["compiled_fallbacks"] == {}
+
+
+def test_writes_into_inputs_through_views_and_under_no_grad():
+    def f(x, p):
+        x[:, 0] = 5.0                      # a write through a view of an input
+        with torch.no_grad():
+            p.mul_(0.5).add_(1.0)          # in-place on another input
+        return x.sum() + p.sum()
+
+    x, p = torch.randn(3, 4), torch.randn(4)
+    x2, p2 = x.clone(), p.clone()
+    expected = f(x, p)
+    got = torch.compile(f, backend=dcompile.backend)(x2, p2)
+    torch.testing.assert_close(got, expected, **TOL)
+    torch.testing.assert_close(x2, x, **TOL)
+    torch.testing.assert_close(p2, p, **TOL)
+
+
+def test_dynamic_shapes_with_size_arithmetic():
+    def f(x):
+        n = x.shape[0]
+        return (x.reshape(n, -1) * n).softmax(-1)[: n // 2]
+
+    g = torch.compile(f, backend=dcompile.backend, dynamic=True)
+    for n in (4, 6, 4):
+        x = torch.randn(n, 3, 2)
+        torch.testing.assert_close(g(x), f(x), **TOL)
+    assert deferfuse.stats()["compiles"] + deferfuse.stats()["disk_cache_hits"] == 2
