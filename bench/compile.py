@@ -29,10 +29,44 @@ import sys
 import tempfile
 import time
 
-CANDIDATES = ("strict", "aot_eager", "inductor", "deferfuse-cold", "deferfuse-warm", "deferfuse+defer")
+CANDIDATES = ("strict", "aot_eager", "inductor", "deferfuse-cold", "deferfuse-warm", "deferfuse+defer",
+              "side-by-side")
+# side-by-side: strict, Inductor and deferfuse (compiled, warm) in one process, their steps
+# alternating, so a busy machine's load falls on all three alike; its ratios are the steady ones
+# to trust on a shared machine.
+
+
+def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
+    import copy
+    import torch
+    import deferfuse.compile
+    from bench import zoo_models as zoo
+    model = zoo.MODELS[model_name]
+    base = model.make(size)
+    batch = model.batch(size, torch.Generator().manual_seed(1))
+    lanes = {}
+    for name, backend in (("strict", None), ("inductor", "inductor"), ("deferfuse", deferfuse.compile.backend)):
+        m = copy.deepcopy(base)
+        forward = m if backend is None else torch.compile(m, backend=backend)
+        lanes[name] = (forward, zoo.optimizer_for(m, model), [])
+    for k in range(steps + 1 + warmup):
+        for name, (forward, optimizer, times) in lanes.items():
+            started = time.perf_counter()
+            loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            float(loss)
+            if k > warmup:
+                times.append(time.perf_counter() - started)
+    medians = {name: statistics.median(times) for name, (_, _, times) in lanes.items()}
+    return {"candidate": "side-by-side", "first_s": float("nan"), "steady_s": medians["strict"],
+            "medians": medians}
 
 
 def child(candidate: str, model_name: str, size: str, steps: int, warmup: int) -> dict:
+    if candidate == "side-by-side":
+        return side_by_side(model_name, size, steps, warmup)
     import torch
     from bench import zoo_models as zoo
     model = zoo.MODELS[model_name]
@@ -103,12 +137,21 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"{r['candidate']:<18} failed: {r['error']}")
             continue
+        if "medians" in r:
+            continue
         ratio = f"{strict['steady_s'] / r['steady_s']:.2f}x" if strict else "-"
         print(f"{r['candidate']:<18}{r['first_s']:>14.2f}{r['steady_s'] * 1e3:>12.1f}{ratio:>11}"
               + (f"   {r['stats']}" if "stats" in r else ""))
+    for r in results:
+        if "medians" in r:
+            m = r["medians"]
+            print(f"side by side, one process, alternating steps: strict {m['strict'] * 1e3:.1f} ms, "
+                  f"inductor {m['inductor'] * 1e3:.1f} ms ({m['strict'] / m['inductor']:.2f}x), deferfuse "
+                  f"{m['deferfuse'] * 1e3:.1f} ms ({m['strict'] / m['deferfuse']:.2f}x strict, "
+                  f"{m['inductor'] / m['deferfuse']:.2f}x inductor)")
     if strict:
         for r in results:
-            if "losses" in r and r is not strict:
+            if r.get("losses") and r is not strict:
                 drift = max(abs(a - b) for a, b in zip(r["losses"], strict["losses"]))
                 print(f"  {r['candidate']}: largest loss difference from strict {drift:.2e}")
     return 0

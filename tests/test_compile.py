@@ -391,3 +391,16 @@ def test_dynamic_shapes_with_size_arithmetic():
         x = torch.randn(n, 3, 2)
         torch.testing.assert_close(g(x), f(x), **TOL)
     assert deferfuse.stats()["compiles"] + deferfuse.stats()["disk_cache_hits"] == 2
+
+
+def test_specializations_are_bounded_with_one_warning(caplog):
+    g = torch.compile(lambda x: (x * 2).cos(), backend=dcompile.backend, dynamic=True,
+                      options={"compile_max_specializations": 2})
+    with caplog.at_level("WARNING", logger="deferfuse"):
+        for n in (2, 3, 4, 5, 2):
+            x = torch.randn(n)
+            torch.testing.assert_close(g(x), (x * 2).cos(), **TOL)
+    graph = dcompile.compiled_graphs()[-1]
+    assert len(graph.plans) == 2
+    assert sum("compile_max_specializations" in r.message for r in caplog.records) == 1
+    assert deferfuse.stats()["compiled_specializations"] == 5
