@@ -404,3 +404,21 @@ def test_specializations_are_bounded_with_one_warning(caplog):
     assert len(graph.plans) == 2
     assert sum("compile_max_specializations" in r.message for r in caplog.records) == 1
     assert deferfuse.stats()["compiled_specializations"] == 5
+
+
+def test_a_partition_whose_lowering_fails_runs_on_torch(monkeypatch):
+    from deferfuse.lower import table
+
+    def broken(ctx, *args, **kwargs):
+        raise ValueError("a broken rule")
+
+    lowering = table.get_lowering(torch.ops.aten.cos.default)
+    import dataclasses
+    monkeypatch.setitem(table.LOWERINGS, torch.ops.aten.cos.default, dataclasses.replace(lowering, rule=broken))
+
+    def f(x):
+        return (x * 3).cos() + 1
+
+    x = torch.randn(5)
+    torch.testing.assert_close(torch.compile(f, backend=dcompile.backend)(x), f(x), **TOL)
+    assert deferfuse.stats()["compiled_fallbacks"]["aten.cos.default"] == 1

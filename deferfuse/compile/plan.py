@@ -184,6 +184,7 @@ class Partition:
     make_program: Any = None
     avals: tuple = ()
     compiled: Any = None
+    failed: Any = None       # why it could not be lowered or compiled (torch then runs its ops)
 
 
 @dataclasses.dataclass

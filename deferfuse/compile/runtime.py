@@ -235,8 +235,17 @@ class _Run:
 
     def _run_partition(self, p: Partition) -> None:
         compiled = p.compiled
+        if compiled is None and not p.failed:
+            try:
+                compiled = p.compiled = executables.get_or_compile(p.signature, p.make_program, p.avals, 0)
+            except Exception as exc:  # noqa: BLE001 - a rule that fails on this graph: torch runs it
+                p.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("deferfuse: a compiled graph's XLA partition could not be lowered or "
+                            "compiled; torch runs its %d ops instead (counted in "
+                            "stats()['compiled_fallbacks']): %s", len(p.nodes), p.failed)
         if compiled is None:
-            compiled = p.compiled = executables.get_or_compile(p.signature, p.make_program, p.avals, 0)
+            self._partition_on_torch(p)
+            return
         inputs = [self.jax_value(s) for s in p.inputs]
         with executables.x64():
             results, failed, details = compiled.executable(inputs, np.zeros((0,), dtype=np.float64))
@@ -248,6 +257,19 @@ class _Run:
                     raise error(message.replace("{value}", str(int(value))))
         for slot, r in zip(p.outputs, results):
             self.env[slot] = r
+
+    def _partition_on_torch(self, p: Partition) -> None:
+        """Run a partition that could not compile op by op with torch (its draws are made)."""
+        for node in p.nodes:
+            args, kwargs = self._args(node, self.torch_value)
+            if node.target is torch.ops.aten.native_dropout.default:
+                p1m = 1.0 - args[1]
+                mask = self.env[(node.name, 1)]
+                out = (args[0] * mask * (0.0 if p1m == 0 else 1.0 / p1m), mask)
+            else:
+                out = node.target(*args, **kwargs)
+            self._store(node, out)
+            STATS.compiled_fallbacks[str(node.target)] += 1
 
     def outputs(self, output_node: torch.fx.Node) -> list:
         outs = output_node.args[0]
