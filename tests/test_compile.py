@@ -422,3 +422,14 @@ def test_a_partition_whose_lowering_fails_runs_on_torch(monkeypatch):
     x = torch.randn(5)
     torch.testing.assert_close(torch.compile(f, backend=dcompile.backend)(x), f(x), **TOL)
     assert deferfuse.stats()["compiled_fallbacks"]["aten.cos.default"] == 1
+
+
+def test_compute_engine_torch_runs_products_on_torch_between_partitions():
+    def f(x, w):
+        return torch.tanh(torch.relu(x * 2) @ w + 1)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    g = torch.compile(f, backend=dcompile.backend, options={"compute_engine": "torch"})
+    torch.testing.assert_close(g(x, w), f(x, w), **TOL)
+    stats = deferfuse.stats()
+    assert stats["compiled_partitions"] == 2 and stats["compiled_fallbacks"] == {}

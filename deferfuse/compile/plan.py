@@ -279,6 +279,7 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
     reasons: list[tuple[str, str]] = []
     current: Optional[Partition] = None
     steps_of: dict[int, list] = {}     # partition index -> [(node, lowering, lowered op, out slots)]
+    torch_products = config.get("compute_engine") == "torch"
 
     def close() -> None:
         nonlocal current
@@ -348,6 +349,13 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
             close()
             units.append(OnTorch(node, True, "random, reads its inputs' values"))
             reasons.append((str(target), "random, reads its inputs' values"))
+            where[node.name] = "torch"
+            tensor_slots(node)
+            continue
+        if lowering is not None and torch_products and target in cost.FLOPS:
+            # compute_engine="torch": products on torch's kernels, between partitions
+            close()
+            units.append(OnTorch(node, False, "compute_engine=torch"))
             where[node.name] = "torch"
             tensor_slots(node)
             continue
