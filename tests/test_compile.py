@@ -433,3 +433,17 @@ def test_compute_engine_torch_runs_products_on_torch_between_partitions():
     torch.testing.assert_close(g(x, w), f(x, w), **TOL)
     stats = deferfuse.stats()
     assert stats["compiled_partitions"] == 2 and stats["compiled_fallbacks"] == {}
+
+
+def test_a_compiled_backward_called_inside_a_defer_block():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    ours = copy.deepcopy(model)
+    f = compiled(ours)
+    x = torch.randn(4, 8)
+    model(x).mul(2).sum().backward()
+    out = f(x)                             # compiled forward, outside the block
+    with deferfuse.defer():
+        (out * 2).sum().backward()         # its tangent is deferred: computed, then the graph runs
+    assert_grads_equal(model, ours)
+    assert deferfuse.stats()["compiled_graphs"] == 2

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import config
 from ..exec import executables, interop
@@ -128,15 +129,27 @@ class CompiledGraph:
     # -- a call ----------------------------------------------------------------------------
 
     def __call__(self, args: list) -> list:
-        inputs = list(args)
+        inputs = [_plain(x) for x in args]
         args.clear()
         context = config.override(**self.settings) if self.settings else contextlib.nullcontext()
-        with context:
+        # (the graph's own torch calls are real work on plain tensors: under an eager mode, such
+        # as a backward called in a defer block, they must not be recorded)
+        with context, _disable_current_modes():
             return self.run(inputs)
 
     def run(self, inputs: list) -> list:
         plan = self.plan_for(inputs)
         return _Run(self.gm, plan, self.placeholders, inputs).outputs(self.output)
+
+
+def _plain(x: Any) -> Any:
+    """A tensor subclass that can stand for a plain tensor (AOTAutograd's tangent hook: defer
+    mode's tensors compute their data) as that plain tensor; anything else as it is."""
+    if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor \
+            and not isinstance(x, torch.nn.Parameter) and hasattr(x, "__coerce_same_metadata_as_tangent__"):
+        plain = x.__coerce_same_metadata_as_tangent__(None, torch.Tensor)
+        return x if plain is None else plain
+    return x
 
 
 class _Run:
