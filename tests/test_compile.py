@@ -281,7 +281,10 @@ def test_importing_deferfuse_registers_no_backend():
         import torch
         from torch._dynamo.backends import registry
         before = set(registry._COMPILER_FNS)
-        import deferfuse, deferfuse.compile
+        import sys
+        import deferfuse
+        assert "deferfuse.compile" not in sys.modules      # loaded on first use
+        assert callable(deferfuse.compile.backend)
         print(sorted(set(registry._COMPILER_FNS) - before))
     """)
     done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=ROOT),
