@@ -170,6 +170,10 @@ def test_options_are_settings_and_unknown_ones_are_refused():
     x = torch.randn(4, 4)
     f = torch.compile(lambda x: (x @ x).relu(), backend=dcompile.backend, options={"order_compute": False})
     torch.testing.assert_close(f(x), (x @ x).relu(), **TOL)
+    for mode in dcompile.MODES:          # accepted, and change nothing
+        torch._dynamo.reset()
+        g = torch.compile(lambda x: (x @ x).relu(), backend=dcompile.backend, mode=mode)
+        torch.testing.assert_close(g(x), (x @ x).relu(), **TOL)
     torch._dynamo.reset()
     bad = torch.compile(lambda x: x + 1, backend=dcompile.backend, options={"no_such_setting": 1})
     with pytest.raises(Exception, match="no_such_setting"):
