@@ -10,7 +10,8 @@ pays (Dynamo's tracing, AOTAutograd, the compiler) and no candidate warms anothe
 - ``deferfuse-cold``: ``torch.compile(backend=deferfuse.compile.backend)`` with an empty disk cache;
 - ``deferfuse-warm``: the same in a second process, with the disk cache the cold run filled;
 - ``deferfuse+defer``: the same compiled model (warm), with AdamW's step in a
-  ``with deferfuse.defer():`` block.
+  ``with deferfuse.defer():`` block;
+- ``side-by-side``: strict, defer mode, Inductor and deferfuse in one process, steps alternating.
 
 The model's forward and backward are compiled; AdamW runs eagerly (one step is the zoo's
 ``train_step``: forward, backward, AdamW, zero_grad).  Each child prints its first step's wall
@@ -31,31 +32,36 @@ import time
 
 CANDIDATES = ("strict", "aot_eager", "inductor", "deferfuse-cold", "deferfuse-warm", "deferfuse+defer",
               "side-by-side")
-# side-by-side: strict, Inductor and deferfuse (compiled, warm) in one process, their steps
+# side-by-side: strict, defer mode (the step in a defer block), Inductor and deferfuse (compiled,
+# warm) in one process, their steps
 # alternating, so a busy machine's load falls on all three alike; its ratios are the steady ones
 # to trust on a shared machine.
 
 
 def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
+    import contextlib
     import copy
     import torch
+    import deferfuse
     import deferfuse.compile
     from bench import zoo_models as zoo
     model = zoo.MODELS[model_name]
     base = model.make(size)
     batch = model.batch(size, torch.Generator().manual_seed(1))
     lanes = {}
-    for name, backend in (("strict", None), ("inductor", "inductor"), ("deferfuse", deferfuse.compile.backend)):
+    for name, backend in (("strict", None), ("defer", None), ("inductor", "inductor"),
+                          ("deferfuse", deferfuse.compile.backend)):
         m = copy.deepcopy(base)
         forward = m if backend is None else torch.compile(m, backend=backend)
         lanes[name] = (forward, zoo.optimizer_for(m, model), [])
     for k in range(steps + 1 + warmup):
         for name, (forward, optimizer, times) in lanes.items():
             started = time.perf_counter()
-            loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            with (deferfuse.defer() if name == "defer" else contextlib.nullcontext()):
+                loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
             float(loss)
             if k > warmup:
                 times.append(time.perf_counter() - started)
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if "medians" in r:
             m = r["medians"]
             print(f"side by side, one process, alternating steps: strict {m['strict'] * 1e3:.1f} ms, "
+                  f"defer {m['defer'] * 1e3:.1f} ms ({m['strict'] / m['defer']:.2f}x), "
                   f"inductor {m['inductor'] * 1e3:.1f} ms ({m['strict'] / m['inductor']:.2f}x), deferfuse "
                   f"{m['deferfuse'] * 1e3:.1f} ms ({m['strict'] / m['deferfuse']:.2f}x strict, "
                   f"{m['inductor'] / m['deferfuse']:.2f}x inductor)")
