@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child, args.model, args.size, args.steps, args.warmup)))
         return 0
     cache = tempfile.mkdtemp(prefix="deferfuse-bench-compile-")
-    results = [run_child(c, args, cache) for c in args.only.split(",")]
+    # (side-by-side has its own cache folder: it must not warm deferfuse-cold's)
+    results = [run_child(c, args, tempfile.mkdtemp(prefix="deferfuse-bench-compile-")
+                         if c == "side-by-side" else cache) for c in args.only.split(",")]
     strict = next((r for r in results if r["candidate"] == "strict" and "error" not in r), None)
     print(f"{args.model} ({args.size}) training step, {args.steps} steps, median after {1 + args.warmup}")
     print(f"{'candidate':<18}{'first step s':>14}{'steady ms':>12}{'vs strict':>11}")
