@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deep demo bench bench-train bench-zoo conformance clean
+.PHONY: install test test-deep demo bench bench-train bench-zoo bench-compile conformance clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ bench-train: $(STAMP)
 # BENCH_ZOO_ARGS="--size tiny" or "--only llama,gpt2".
 bench-zoo: $(STAMP)
 	$(PY) -m bench.zoo $(BENCH_ZOO_ARGS)
+
+# torch.compile(backend="deferfuse") vs strict and Inductor on the zoo's Llama step (bench/compile.py)
+bench-compile: $(STAMP)
+	$(PY) -m bench.compile $(BENCH_COMPILE_ARGS)
 
 # The OpInfo conformance sweep (docs/conformance.md): every OpInfo x dtype x variant, strict vs
 # defer.  CONFORMANCE_ARGS adds options, e.g. CONFORMANCE_ARGS="--max-samples 0" for every sample.

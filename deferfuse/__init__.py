@@ -67,3 +67,12 @@ def _apply_environment() -> None:
 
 
 _apply_environment()
+
+
+def __getattr__(name: str) -> Any:
+    # deferfuse.compile (the torch.compile backend, docs/compile.md) loads on first use: importing
+    # deferfuse neither imports Dynamo nor registers a backend
+    if name == "compile":
+        import importlib
+        return importlib.import_module(".compile", __name__)
+    raise AttributeError(f"module 'deferfuse' has no attribute {name!r}")

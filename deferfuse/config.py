@@ -155,6 +155,10 @@ _declare("gc_young_threshold", int, 70_000,
          "ends (0, or a lower value, leaves it alone).  The pending graph holds no reference "
          "cycles, so recording needs no collections; at the default 700, every few dozen ops "
          "rescanned the graph's live objects (~5 ms of a 60 ms AdamW step).")
+_declare("compile_max_specializations", int, 16,
+         "torch.compile(backend='deferfuse'): how many concrete input shapes one graph keeps "
+         "planned and compiled; past it the least recently used goes (and a warning says so, once "
+         "per graph).  See docs/compile.md.")
 _declare("explain_history", int, 16, "How many recent flush plans deferfuse.explain() keeps.")
 _declare("check_nans", bool, False,
          "In debug mode, raise at the first op whose output holds a NaN or Inf that its inputs "

@@ -12,7 +12,8 @@ class Stats:
                  "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
                  "eager_chosen", "unseen_ops_run", "lone_ops_run", "host_scalar_ops_run", "executables_evicted",
-                 "blocks_run_at_once")
+                 "blocks_run_at_once", "compiled_graphs", "compiled_partitions",
+                 "compiled_specializations", "compiled_fallbacks", "compiled_rule_calls")
 
     def __init__(self) -> None:
         self.reset()
@@ -42,6 +43,14 @@ class Stats:
         self.host_scalar_ops_run = 0   # ops on one-element CPU tensors run at once (host_scalars_at_once)
         self.executables_evicted = 0   # least recently used executables dropped (executable_cache_size)
         self.blocks_run_at_once = 0    # defer blocks run as strict where that was faster (eager_blocks)
+        # torch.compile(backend="deferfuse") (deferfuse/compile/): fx graphs handed to it, XLA
+        # partitions planned, concrete-shape specializations planned, ops run on torch between
+        # partitions (by op name), and lowering rules called while tracing its programs
+        self.compiled_graphs = 0
+        self.compiled_partitions = 0
+        self.compiled_specializations = 0
+        self.compiled_fallbacks: collections.Counter[str] = collections.Counter()
+        self.compiled_rule_calls = 0
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

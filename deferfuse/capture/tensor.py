@@ -115,6 +115,15 @@ class DeferredTensor(torch.Tensor):
             data = data._neg_view()
         return data
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any, expected_type: Any = None):
+        """AOTAutograd's hook for a tangent whose type differs from the traced one: the backward of
+        a graph compiled by ``torch.compile`` (traced with plain tensors) gets this tensor's data,
+        computed now."""
+        if expected_type is not None and expected_type is not torch.Tensor:
+            return None
+        with no_dispatch():
+            return self._materialize(FlushReason.SYNC)
+
     def _observe(self, reason: FlushReason, use, exposes: bool = True):
         """Materialize, then run ``use(data)`` with no dispatch mode active (torch calls made while
         reading the data, such as numpy()'s detach, must not be recorded).  ``exposes``: False

@@ -243,12 +243,8 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
         autotune.bounded(_SEEN)[sig] = runs + 1
         return None
     backend.prepare()   # (before JAX's backend is first used: loading, compiling)
-    loaded = diskcache.load(sig)
-    if loaded is not None:
-        compiled = Compiled(*loaded)
-        compiled.signature = sig
-        compiled.relower = functools.partial(lower_program, make_program(), leaf_avals(leaves), n_scalars)
-        _store(sig, compiled)
+    compiled = load_from_disk(sig, make_program, leaf_avals(leaves), n_scalars)
+    if compiled is not None:
         return compiled
     STATS.cache_misses += 1
     if shortcuts.background_compile:
@@ -258,6 +254,37 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
         return None
     _SEEN.pop(sig, None)
     return _compile_and_store(sig, make_program(), leaf_avals(leaves), n_scalars)
+
+
+def load_from_disk(sig: Any, make_program, avals: tuple, n_scalars: int) -> Optional[Compiled]:
+    """The executable saved on disk for ``sig``, now also held in memory; None on a miss.  Its
+    program is lowered again only if its StableHLO text is asked for."""
+    loaded = diskcache.load(sig)
+    if loaded is None:
+        return None
+    compiled = Compiled(*loaded)
+    compiled.signature = sig
+    # (the program is made now, while the graph it reads is alive; tracing it waits)
+    compiled.relower = functools.partial(lower_program, make_program(), avals, n_scalars)
+    _store(sig, compiled)
+    return compiled
+
+
+def get_or_compile(sig: Any, make_program, avals: tuple, n_scalars: int) -> Compiled:
+    """The executable for ``sig`` from memory, from the disk cache, or compiled now (on this
+    thread, then saved to both): for front ends that compile ahead, such as the torch.compile
+    backend, with no eager tier.  ``avals``: (shape, dtype) of each program input."""
+    compiled = _EXECUTABLES.get(sig)
+    if compiled is not None:
+        STATS.cache_hits += 1
+        _EXECUTABLES.move_to_end(sig)
+        return compiled
+    backend.prepare()
+    compiled = load_from_disk(sig, make_program, avals, n_scalars)
+    if compiled is not None:
+        return compiled
+    STATS.cache_misses += 1
+    return _compile_and_store(sig, make_program(), avals, n_scalars)
 
 
 def contains(sig: Any) -> bool:

@@ -31,7 +31,7 @@ jnp = lazy_import("jax.numpy", globals(), "jnp")
 lax = lazy_import("jax.lax", globals(), "lax")
 
 
-class _Ref:
+class Ref:
     """A reference, inside a program template, to a value (by local id) or a runtime scalar."""
 
     __slots__ = ("kind", "index")
@@ -73,7 +73,7 @@ def _unsafe_rewrite(consumer: Any, producer: Optional["Step"]) -> bool:
     if consumer in _SQRT_OPS:
         # a * a with both operands the same value (x ** 2 is computed otherwise: pow lowering)
         return producer.op is _aten.mul.Tensor and len(producer.args) == 2 \
-            and isinstance(producer.args[0], _Ref) and isinstance(producer.args[1], _Ref) \
+            and isinstance(producer.args[0], Ref) and isinstance(producer.args[1], Ref) \
             and producer.args[0].kind == producer.args[1].kind == "v" \
             and producer.args[0].index == producer.args[1].index
     return False
@@ -99,7 +99,7 @@ class Program:
         last_ordered: Any = None   # the result of the latest ordered step
 
         def resolve(a: Any) -> Any:
-            if isinstance(a, _Ref):
+            if isinstance(a, Ref):
                 if a.kind != "v":
                     return scalars[a.index]
                 if _unsafe_rewrite(consumer, producers[a.index]):
@@ -176,10 +176,10 @@ def _template(a: Any, index: dict[int, int], leaves: list[Value], scalars: list[
             local = len(leaves)
             index[id(a)] = local
             leaves.append(a)
-        return _Ref("v", local), ("v", local)
+        return Ref("v", local), ("v", local)
     if isinstance(a, RuntimeScalar):
         scalars.append(a.value)
-        return _Ref("s", len(scalars) - 1), "s"
+        return Ref("s", len(scalars) - 1), "s"
     if type(a) in (list, tuple):
         parts = [_template(x, index, leaves, scalars) for x in a]
         return type(a)(p[0] for p in parts), tuple(p[1] for p in parts)

@@ -644,3 +644,9 @@ if _LCE_OPS:
                                                         batch_chunk_size, acc_policy, acc_dtype):
         return _lce_chunked(ctx, x, w, target, bias, weight, "none", ignore_index, batch_chunk_size,
                             False, False, False, False)
+
+
+@lowering(aten.native_dropout_backward.default)
+def native_dropout_backward(ctx, grad, mask, scale):
+    # torch's kernel: grad * mask * scale (the mask promoted to grad's dtype, then the scale)
+    return grad * mask.astype(grad.dtype) * jnp.asarray(scale, grad.dtype)

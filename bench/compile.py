@@ -1,0 +1,170 @@
+"""torch.compile(backend="deferfuse") against strict and torch.compile's Inductor on the zoo's steps.
+
+``python -m bench.compile [--model llama] [--size small] [--steps 12]`` (``make bench-compile``)
+runs each candidate in a fresh process, so that its first step pays what a user's first step
+pays (Dynamo's tracing, AOTAutograd, the compiler) and no candidate warms another's caches:
+
+- ``strict``: plain PyTorch;
+- ``aot_eager``: ``torch.compile(backend="aot_eager")``, tracing alone (the floor of a first step);
+- ``inductor``: ``torch.compile`` with its default backend;
+- ``deferfuse-cold``: ``torch.compile(backend=deferfuse.compile.backend)`` with an empty disk cache;
+- ``deferfuse-warm``: the same in a second process, with the disk cache the cold run filled;
+- ``deferfuse+defer``: the same compiled model (warm), with AdamW's step in a
+  ``with deferfuse.defer():`` block;
+- ``side-by-side``: strict, defer mode, Inductor and deferfuse in one process, steps alternating.
+
+The model's forward and backward are compiled; AdamW runs eagerly (one step is the zoo's
+``train_step``: forward, backward, AdamW, zero_grad).  Each child prints its first step's wall
+time, the median of the steps after ``--warmup`` more, and its losses; the table gives each
+candidate's steady-state speed relative to strict (strict's median / its median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CANDIDATES = ("strict", "aot_eager", "inductor", "deferfuse-cold", "deferfuse-warm", "deferfuse+defer",
+              "side-by-side")
+# side-by-side: strict, defer mode (the step in a defer block), Inductor and deferfuse (compiled,
+# warm) in one process, their steps
+# alternating, so a busy machine's load falls on all three alike; its ratios are the steady ones
+# to trust on a shared machine.
+
+
+def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
+    import contextlib
+    import copy
+    import torch
+    import deferfuse
+    import deferfuse.compile
+    from bench import zoo_models as zoo
+    model = zoo.MODELS[model_name]
+    base = model.make(size)
+    batch = model.batch(size, torch.Generator().manual_seed(1))
+    lanes = {}
+    for name, backend in (("strict", None), ("defer", None), ("inductor", "inductor"),
+                          ("deferfuse", deferfuse.compile.backend)):
+        m = copy.deepcopy(base)
+        forward = m if backend is None else torch.compile(m, backend=backend)
+        lanes[name] = (forward, zoo.optimizer_for(m, model), [])
+    for k in range(steps + 1 + warmup):
+        for name, (forward, optimizer, times) in lanes.items():
+            started = time.perf_counter()
+            with (deferfuse.defer() if name == "defer" else contextlib.nullcontext()):
+                loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            float(loss)
+            if k > warmup:
+                times.append(time.perf_counter() - started)
+    medians = {name: statistics.median(times) for name, (_, _, times) in lanes.items()}
+    return {"candidate": "side-by-side", "first_s": float("nan"), "steady_s": medians["strict"],
+            "medians": medians}
+
+
+def child(candidate: str, model_name: str, size: str, steps: int, warmup: int) -> dict:
+    if candidate == "side-by-side":
+        return side_by_side(model_name, size, steps, warmup)
+    import torch
+    from bench import zoo_models as zoo
+    model = zoo.MODELS[model_name]
+    m = model.make(size)
+    optimizer = zoo.optimizer_for(m, model)
+    batch = model.batch(size, torch.Generator().manual_seed(1))
+    deferfuse = None
+    if candidate.startswith("deferfuse"):
+        import deferfuse
+        import deferfuse.compile
+        forward = torch.compile(m, backend=deferfuse.compile.backend)
+    elif candidate in ("aot_eager", "inductor"):
+        forward = torch.compile(m, backend=candidate)
+    else:
+        forward = m
+    times, losses = [], []
+    for _ in range(steps):
+        started = time.perf_counter()
+        loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
+        loss.backward()
+        if candidate == "deferfuse+defer":
+            with deferfuse.defer():
+                optimizer.step()
+                optimizer.zero_grad()
+        else:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss))
+        times.append(time.perf_counter() - started)
+    out = {"candidate": candidate, "first_s": times[0],
+           "steady_s": statistics.median(times[1 + warmup:]), "losses": losses}
+    if deferfuse is not None:
+        s = deferfuse.stats()
+        out["stats"] = {k: s[k] for k in ("compiles", "disk_cache_hits", "compiled_graphs",
+                                          "compiled_partitions", "compiled_fallbacks")}
+    return out
+
+
+def run_child(candidate: str, args: argparse.Namespace, cache: str) -> dict:
+    env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache)
+    command = [sys.executable, "-m", "bench.compile", "--child", candidate, "--model", args.model,
+               "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        return {"candidate": candidate, "error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="steps after the first left out of the median")
+    parser.add_argument("--only", default=",".join(CANDIDATES))
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.model, args.size, args.steps, args.warmup)))
+        return 0
+    cache = tempfile.mkdtemp(prefix="deferfuse-bench-compile-")
+    # (side-by-side has its own cache folder: it must not warm deferfuse-cold's)
+    results = [run_child(c, args, tempfile.mkdtemp(prefix="deferfuse-bench-compile-")
+                         if c == "side-by-side" else cache) for c in args.only.split(",")]
+    strict = next((r for r in results if r["candidate"] == "strict" and "error" not in r), None)
+    print(f"{args.model} ({args.size}) training step, {args.steps} steps, median after {1 + args.warmup}")
+    print(f"{'candidate':<18}{'first step s':>14}{'steady ms':>12}{'vs strict':>11}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['candidate']:<18} failed: {r['error']}")
+            continue
+        if "medians" in r:
+            continue
+        ratio = f"{strict['steady_s'] / r['steady_s']:.2f}x" if strict else "-"
+        print(f"{r['candidate']:<18}{r['first_s']:>14.2f}{r['steady_s'] * 1e3:>12.1f}{ratio:>11}"
+              + (f"   {r['stats']}" if "stats" in r else ""))
+    for r in results:
+        if "medians" in r:
+            m = r["medians"]
+            print(f"side by side, one process, alternating steps: strict {m['strict'] * 1e3:.1f} ms, "
+                  f"defer {m['defer'] * 1e3:.1f} ms ({m['strict'] / m['defer']:.2f}x), "
+                  f"inductor {m['inductor'] * 1e3:.1f} ms ({m['strict'] / m['inductor']:.2f}x), deferfuse "
+                  f"{m['deferfuse'] * 1e3:.1f} ms ({m['strict'] / m['deferfuse']:.2f}x strict, "
+                  f"{m['inductor'] / m['deferfuse']:.2f}x inductor)")
+    if strict:
+        for r in results:
+            if r.get("losses") and r is not strict:
+                drift = max(abs(a - b) for a, b in zip(r["losses"], strict["losses"]))
+                print(f"  {r['candidate']}: largest loss difference from strict {drift:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

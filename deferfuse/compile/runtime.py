@@ -1,0 +1,301 @@
+"""A compiled fx graph: its plans by concrete input shape, and how one call runs.
+
+``CompiledGraph`` is what the backend returns for each graph AOTAutograd hands it (forward,
+backward or inference), in the boxed calling convention: one list of inputs, cleared once read.
+A call looks up the plan for its inputs' shapes, strides and dtypes (and the values of its size
+inputs under dynamic shapes), making it at first sight (``plan.make_plan``): at most
+``compile_max_specializations`` are kept per graph, the least recently used dropped past it
+with a warning.  Then it runs the plan's units in order: random draws with torch, the XLA
+partitions (each one executable, found in memory, on disk, or compiled), the ops torch runs
+between them, and last the write-backs into mutated inputs.  Outputs have the strides the
+graph's metadata says.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import weakref
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .. import config
+from ..exec import executables, interop
+from ..stats import STATS
+from .._lazy import lazy_import
+from . import plan as plan_
+from .plan import Draw, OnTorch, Partition, Plan, WriteBack, slot_of_arg
+
+jax = lazy_import("jax", globals(), "jax")
+
+log = logging.getLogger("deferfuse")
+
+# every graph compiled in this process, oldest first, for explain() (weakly: Dynamo owns them)
+GRAPHS: "list[weakref.ref[CompiledGraph]]" = []
+
+
+def _is_symbolic(v: Any) -> bool:
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(v, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride())) \
+            or isinstance(v.storage_offset(), torch.SymInt)
+    if isinstance(v, (tuple, list)):
+        return any(_is_symbolic(x) for x in v)
+    return False
+
+
+def spec_key(inputs: list) -> tuple:
+    """What a plan is specialized for: each input's shape, strides and dtype, or its value."""
+    key = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), tuple(x.stride()), str(x.dtype)))
+        elif isinstance(x, (bool, int, float)):
+            key.append((type(x).__name__, x))
+        else:
+            key.append(("other", type(x).__name__))
+    return tuple(key)
+
+
+class CompiledGraph:
+    """One post-AOT fx graph as a boxed callable over XLA executables."""
+
+    def __init__(self, gm: torch.fx.GraphModule, kind: str, settings: dict) -> None:
+        # (in the instance's dict: AOTAutograd wraps the backward in torch._dynamo.disable,
+        # whose functools.wraps copies the dict, not class attributes)
+        self._boxed_call = True
+        plan_.unroll_foreach_nodes(gm)
+        self.gm = gm
+        self.kind = kind
+        self.settings = dict(settings)
+        self.code = gm.code
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.static = not any(_is_symbolic(n.meta.get("val")) for n in gm.graph.nodes) and all(
+            "val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
+        self.plans: "collections.OrderedDict[tuple, Plan]" = collections.OrderedDict()
+        self.warned = False
+        STATS.compiled_graphs += 1
+        GRAPHS[:] = [r for r in GRAPHS if r() is not None]
+        GRAPHS.append(weakref.ref(self))
+
+    # -- specializations -------------------------------------------------------------------
+
+    def _values(self, inputs: list) -> dict:
+        """Each node's value (fake tensors, sizes) at the inputs' concrete shapes."""
+        if self.static:
+            values = {}
+            for n in self.gm.graph.nodes:
+                if n.op == "get_attr":
+                    values[n] = getattr(self.gm, n.target)
+                elif n.op != "output":
+                    values[n] = n.meta["val"]
+            return values
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+                 for x in inputs]
+        interpreter = torch.fx.Interpreter(self.gm, garbage_collect_values=False)
+        with fake_mode:
+            interpreter.run(*fakes)
+        return dict(interpreter.env)
+
+    def plan_for(self, inputs: list) -> Plan:
+        key = spec_key(inputs)
+        found = self.plans.get(key)
+        if found is not None:
+            self.plans.move_to_end(key)
+            return found
+        made = plan_.make_plan(self.gm, self._values(inputs), self.code, key)
+        STATS.compiled_specializations += 1
+        self.plans[key] = made
+        limit = config.get("compile_max_specializations")
+        while limit > 0 and len(self.plans) > limit:
+            self.plans.popitem(last=False)
+            if not self.warned:
+                self.warned = True
+                log.warning("deferfuse: a compiled graph met more than %d input shapes "
+                            "(compile_max_specializations); the least recently used are dropped and "
+                            "compiled again (or loaded from the disk cache) when they come back. "
+                            "Padding inputs to a few sizes avoids this.", limit)
+        return made
+
+    # -- a call ----------------------------------------------------------------------------
+
+    def __call__(self, args: list) -> list:
+        inputs = [_plain(x) for x in args]
+        args.clear()
+        context = config.override(**self.settings) if self.settings else contextlib.nullcontext()
+        # (the graph's own torch calls are real work on plain tensors: under an eager mode, such
+        # as a backward called in a defer block, they must not be recorded)
+        with context, _disable_current_modes():
+            return self.run(inputs)
+
+    def run(self, inputs: list) -> list:
+        plan = self.plan_for(inputs)
+        return _Run(self.gm, plan, self.placeholders, inputs).outputs(self.output)
+
+
+def _plain(x: Any) -> Any:
+    """A tensor subclass that can stand for a plain tensor (AOTAutograd's tangent hook: defer
+    mode's tensors compute their data) as that plain tensor; anything else as it is."""
+    if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor \
+            and not isinstance(x, torch.nn.Parameter) and hasattr(x, "__coerce_same_metadata_as_tangent__"):
+        plain = x.__coerce_same_metadata_as_tangent__(None, torch.Tensor)
+        return x if plain is None else plain
+    return x
+
+
+class _Run:
+    """The values of one call, by slot: torch tensors or JAX arrays, converted when asked."""
+
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, placeholders: list, inputs: list) -> None:
+        self.gm = gm
+        self.plan = plan
+        self.env: dict = {}
+        for node, x in zip(placeholders, inputs):
+            self.env[(node.name, None)] = x
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                self.env[(node.name, None)] = getattr(gm, node.target)
+        writes = []
+        for unit in plan.units:
+            if isinstance(unit, Partition):
+                self._run_partition(unit)
+            elif isinstance(unit, Draw):
+                self._draw(unit)
+            elif isinstance(unit, OnTorch):
+                self._on_torch(unit)
+            elif isinstance(unit, WriteBack):
+                writes.append(unit)
+        for unit in writes:
+            dst, src = unit.node.args[0], unit.node.args[1]
+            target = self.torch_value(dst)
+            target.copy_(self.torch_value(src))
+            self.env[(unit.node.name, None)] = target
+
+    # -- values --------------------------------------------------------------------------
+
+    def torch_value(self, n: Any) -> Any:
+        if not isinstance(n, torch.fx.Node):
+            return n
+        if self.plan.where.get(n.name) == "host":
+            return plan_.concrete(self.plan.values[n])
+        slot = slot_of_arg(n)
+        v = self.env[slot]
+        if isinstance(v, jax.Array):
+            v = self._to_torch(slot, v)
+            self.env[slot] = v
+        return v
+
+    def _to_torch(self, slot: tuple, arr: Any) -> torch.Tensor:
+        t = interop.to_torch(arr)
+        meta = self.plan.slot_meta.get(slot)
+        if meta is not None and t.numel() > 1 and tuple(t.stride()) != meta.stride:
+            out = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+            src, dst = t, out
+            # an expanded layout (stride 0) is written through one element of each such dim
+            for d, (size, stride) in enumerate(zip(meta.shape, meta.stride)):
+                if stride == 0 and size > 1:
+                    src, dst = src.narrow(d, 0, 1), dst.narrow(d, 0, 1)
+            try:
+                dst.copy_(src)
+            except RuntimeError:   # a layout whose elements overlap otherwise: XLA's is returned
+                return t
+            t = out
+        return t
+
+    def jax_value(self, slot: tuple) -> Any:
+        v = self.env[slot]
+        return v if isinstance(v, jax.Array) else interop.to_jax(v)
+
+    def _args(self, node: torch.fx.Node, leaf) -> tuple[tuple, dict]:
+        return tuple(plan_.map_nodes(node.args, leaf)), plan_.map_nodes(dict(node.kwargs), leaf)
+
+    def _store(self, node: torch.fx.Node, out: Any) -> None:
+        if isinstance(out, (tuple, list)):
+            for i, o in enumerate(out):
+                self.env[(node.name, i)] = o
+        self.env[(node.name, None)] = out
+
+    # -- units ---------------------------------------------------------------------------
+
+    def _draw(self, unit: Draw) -> None:
+        node = unit.node
+
+        def placeholder(n: torch.fx.Node) -> Any:
+            v = self.plan.values[n]
+            if isinstance(v, torch.Tensor):
+                return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype)
+            return plan_.concrete(v)
+        args, kwargs = self._args(node, placeholder)
+        out = node.target(*args, **kwargs)
+        self._store(node, out)
+
+    def _on_torch(self, unit: OnTorch) -> None:
+        node = unit.node
+        args, kwargs = self._args(node, self.torch_value)
+        out = node.target(*args, **kwargs)
+        self._store(node, out)
+        if unit.fallback:
+            STATS.compiled_fallbacks[str(node.target)] += 1
+
+    def _run_partition(self, p: Partition) -> None:
+        compiled = p.compiled
+        if compiled is None and not p.failed:
+            try:
+                compiled = p.compiled = executables.get_or_compile(p.signature, p.make_program, p.avals, 0)
+            except Exception as exc:  # noqa: BLE001 - a rule that fails on this graph: torch runs it
+                p.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("deferfuse: a compiled graph's XLA partition could not be lowered or "
+                            "compiled; torch runs its %d ops instead (counted in "
+                            "stats()['compiled_fallbacks']): %s", len(p.nodes), p.failed)
+        if compiled is None:
+            self._partition_on_torch(p)
+            return
+        inputs = [self.jax_value(s) for s in p.inputs]
+        with executables.x64():
+            results, failed, details = compiled.executable(inputs, np.zeros((0,), dtype=np.float64))
+            jax.block_until_ready(results)
+        STATS.executions += 1
+        if compiled.checks:
+            for flag, value, (_, error, message) in zip(np.asarray(failed), np.asarray(details), compiled.checks):
+                if flag:
+                    raise error(message.replace("{value}", str(int(value))))
+        for slot, r in zip(p.outputs, results):
+            self.env[slot] = r
+
+    def _partition_on_torch(self, p: Partition) -> None:
+        """Run a partition that could not compile op by op with torch (its draws are made)."""
+        for node in p.nodes:
+            args, kwargs = self._args(node, self.torch_value)
+            if node.target is torch.ops.aten.native_dropout.default:
+                p1m = 1.0 - args[1]
+                mask = self.env[(node.name, 1)]
+                out = (args[0] * mask * (0.0 if p1m == 0 else 1.0 / p1m), mask)
+            else:
+                out = node.target(*args, **kwargs)
+            self._store(node, out)
+            STATS.compiled_fallbacks[str(node.target)] += 1
+
+    def outputs(self, output_node: torch.fx.Node) -> list:
+        outs = output_node.args[0]
+        return list(plan_.map_nodes(outs, self.torch_value)) if isinstance(outs, (tuple, list)) \
+            else [self.torch_value(outs)]
+
+
+def compiled_graphs() -> list[CompiledGraph]:
+    """The graphs this process compiled that are still alive, oldest first."""
+    return [g for g in (r() for r in GRAPHS) if g is not None]
+
+
+def forget(graph: Optional[CompiledGraph] = None) -> None:
+    """Drop the plans of ``graph`` (or of every graph): the next call plans again."""
+    for g in ([graph] if graph is not None else compiled_graphs()):
+        g.plans.clear()
