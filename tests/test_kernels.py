@@ -347,6 +347,30 @@ def test_torch_compile_treats_the_op_as_an_opaque_custom_op():
                                rmsnorm_example.rmsnorm_reference(gated_torch(x.sin(), y, 0.5), w, 1e-5))
 
 
+def test_backend_deferfuse_inlines_the_op_into_one_xla_computation_per_graph():
+    """torch.compile(backend="deferfuse"): the kernel (and its vjp op in the backward graph) is
+    lowered with the ops around it, one XLA partition per graph, no fallback."""
+    def loss_of(kernel_gated, x, y):
+        return (kernel_gated(x.sin(), y, 0.5) + 1).square().sum()
+
+    torch._dynamo.reset()
+    deferfuse.reset_stats()
+    compiled = torch.compile(lambda x, y: loss_of(gated, x, y), backend="deferfuse", fullgraph=True)
+    x, y = _inputs(4, 8).requires_grad_(), _inputs(4, 8, seed=1)
+    strict_x = x.detach().clone().requires_grad_()
+    loss = compiled(x, y)
+    loss.backward()
+    want = loss_of(gated_torch, strict_x, y)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(x.grad, strict_x.grad)
+    stats = deferfuse.stats()
+    assert stats["compiled_graphs"] == 2 and stats["compiled_partitions"] == 2, stats
+    assert not stats["compiled_fallbacks"], stats["compiled_fallbacks"]
+    text = str(deferfuse.compile.explain())
+    assert "gated.default" in text and "gated_jaxvjp.default" in text, text
+
+
 def test_import_deferfuse_does_not_import_jax():
     code = "import sys, deferfuse; deferfuse.jax_op; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
