@@ -11,9 +11,11 @@ to fuse the kernel with:
 - ``attention``: the JAX attention, batch 4, 8 query heads over 2 key/value heads, 256 tokens,
   head dim 64, causal; torch ops: ``F.scaled_dot_product_attention(..., enable_gqa=True)``.
 
-Four ways each: torch ops under strict and under defer, the kernel under strict and under
-defer.  Defer runs with ``eager_blocks`` off, so that every step is deferred (the block tier
-would otherwise run a block at once when that measures faster).  Reported: the median of
+Six ways each: torch ops and the kernel, each under strict, under defer, and compiled with
+``torch.compile(backend="deferfuse")`` (the step's forward and backward graphs, the kernel
+inlined into them; ``loss.backward()`` is a graph break, as with any backend).  Defer runs with
+``eager_blocks`` off, so that every step is deferred (the block tier would otherwise run a
+block at once when that measures faster).  Reported: the median of
 ``--reps`` steps after 3 warm-up steps (which compile), in milliseconds.  Results:
 ``bench/results/kernels.json``.
 """
@@ -73,12 +75,15 @@ def _attention_case():
 
 
 CASES = {"rmsnorm": _rmsnorm_case, "attention": _attention_case}
-MODES = {"strict": contextlib.nullcontext, "defer": deferfuse.defer}
+MODES = {"strict": contextlib.nullcontext, "defer": deferfuse.defer, "compile": contextlib.nullcontext}
 
 
 def _time(run, mode, leaves, reps: int) -> tuple[float, float]:
     times = []
     loss = None
+    if mode == "compile":
+        torch._dynamo.reset()
+        run = torch.compile(run, backend="deferfuse")
     for i in range(3 + reps):
         for t in leaves:
             t.grad = None
