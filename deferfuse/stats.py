@@ -12,7 +12,7 @@ class Stats:
                  "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
                  "eager_chosen", "unseen_ops_run", "lone_ops_run", "host_scalar_ops_run", "executables_evicted",
-                 "blocks_run_at_once")
+                 "blocks_run_at_once", "collectives")
 
     def __init__(self) -> None:
         self.reset()
@@ -42,6 +42,8 @@ class Stats:
         self.host_scalar_ops_run = 0   # ops on one-element CPU tensors run at once (host_scalars_at_once)
         self.executables_evicted = 0   # least recently used executables dropped (executable_cache_size)
         self.blocks_run_at_once = 0    # defer blocks run as strict where that was faster (eager_blocks)
+        # torch.distributed collectives run (each a flush point), by op: {"c10d::allreduce_": 3}
+        self.collectives: collections.Counter[str] = collections.Counter()
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -18,6 +18,7 @@ from torch._prims_common.wrappers import _maybe_resize_out
 
 from ..errors import FlushReason
 from . import flush
+from .collectives import suspended_for_foreign_code
 from .dispatch_keys import PYTHON_KEY, no_dispatch
 from .opaque import opaque
 from .storage import STATES_BY_PTR, untyped_storage
@@ -104,6 +105,29 @@ def _out_written_after(original):
     return function
 
 
+def _with_memory(original):
+    """A C++ function of torch.distributed that reads tensor memory itself, around aten ops it
+    dispatches (DDP's parameter shape check fills a tensor with a broadcast and reads it
+    through an accessor): it runs as strict runs it, with everything pending computed first
+    and the dispatch mode off (its own collectives run on torch's process group as they are)."""
+    @functools.wraps(original)
+    def function(*args, **kwargs):
+        recorder = recorder_on_stack()
+        if recorder is None:
+            return original(*args, **kwargs)
+        with no_dispatch():
+            args, kwargs = suspended_for_foreign_code(recorder, args, kwargs)
+            return original(*args, **kwargs)
+    return function
+
+
+def _distributed_patches() -> list:
+    if not torch.distributed.is_available():
+        return []
+    return [(torch.distributed, name, _with_memory(getattr(torch.distributed, name)))
+            for name in ("_verify_params_across_processes",) if hasattr(torch.distributed, name)]
+
+
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 
 
@@ -170,11 +194,11 @@ class Patches:
 
 
 # While a defer block runs: ``p.data = q`` must know deferred tensors (q's memory does not
-# exist yet), and torch.linalg.matrix_rank's out= must be written (under any dispatch mode its
-# C++ composite drops it).
+# exist yet), torch.linalg.matrix_rank's out= must be written (under any dispatch mode its
+# C++ composite drops it), and torch.distributed's C++ readers of memory see it computed.
 BLOCK_PATCHES = Patches(lambda: [
     (torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)),
-    (torch.Tensor, "data", _data_property())])
+    (torch.Tensor, "data", _data_property()), *_distributed_patches()])
 
 
 # While a block has written a plain tensor: the methods in PLAIN_READS write its pending
