@@ -58,7 +58,7 @@ def recorder_on_stack() -> Any:
         return None
     for i in range(torch._C._len_torch_dispatch_stack() - 1, -1, -1):
         mode = torch._C._get_dispatch_stack_at(i)
-        if type(mode) is _mode_type:
+        if isinstance(mode, _mode_type):   # (DeferMode, or the default mode's SegmentedDeferMode)
             return mode.recorder
     return None
 
