@@ -26,9 +26,14 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def _env(**extra) -> dict:
+def _env(user_settings: bool = False, **extra) -> dict:
+    """The environment of the ranks (``user_settings``: without the test suite's settings of
+    deferfuse, as a user's script runs)."""
     env = dict(os.environ)
     env.pop("TORCHTPU_MODE", None)
+    if user_settings:
+        for name in [n for n in env if n.startswith("DEFERFUSE_")]:
+            del env[name]
     env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join([REPO, TESTS, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -144,9 +149,9 @@ def test_torchrun_script_unchanged(how):
     head = [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(_free_port())]
     if how.startswith("-m"):
-        command, env = head + ["-m", "deferfuse", "--mode", "defer", script], _env()
+        command, env = head + ["-m", "deferfuse", "--mode", "defer", script], _env(True)
     else:
-        command, env = head + [script], _env(TORCHTPU_MODE="defer")
+        command, env = head + [script], _env(True, TORCHTPU_MODE="defer")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=DEADLINE)
     except subprocess.TimeoutExpired:
