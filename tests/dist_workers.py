@@ -426,6 +426,46 @@ def _rank_dependent(rank, world):
     return [t, s]
 
 
+def _pipelining(rank, world):
+    """torch.distributed.pipelining: a PipelineStage per rank, ScheduleGPipe, 4 microbatches."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    torch.manual_seed(20 + rank)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()) if rank == 0 else torch.nn.Linear(16, 3)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=torch.nn.functional.mse_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+    losses = []
+    for step in range(2):
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        opt.step()
+    return [p.detach() for p in module.parameters()] + losses
+
+
+def _fsdp2(rank, world):
+    """FSDP2: fully_shard per layer and on the model; parameters gathered at the end."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.full_tensor().detach() for p in model.parameters()] + [loss.detach()]
+
+
 def explain_checks(rank, world, results) -> None:
     deferfuse.reset_stats()
     with deferfuse.defer():
@@ -462,6 +502,8 @@ def group_main(rank, world, results) -> None:
     _compare("rank_dependent_loops_and_item", _rank_dependent, rank, world, results)
     explain_checks(rank, world, results)
     pipeline_checks(rank, world, results)
+    _compare("pipelining_gpipe", _pipelining, rank, world, results)
+    _compare("fsdp2_fully_shard", _fsdp2, rank, world, results)
     ddp_checks(rank, world, results)
 
 

@@ -112,6 +112,17 @@ def test_two_stage_pipeline_mpmd(two_ranks, label):
     _check(two_ranks, f"pipeline_{label}", at_least=2)
 
 
+def test_pipelining_schedule_gpipe(two_ranks):
+    """torch.distributed.pipelining: PipelineStage + ScheduleGPipe, 4 microbatches."""
+    _check(two_ranks, "pipelining_gpipe", at_least=2)
+
+
+def test_fsdp2_fully_shard(two_ranks):
+    """FSDP2 (fully_shard, DTensor parameters; it frees and reallocates unsharded memory with
+    UntypedStorage.resize_) trains as strict does."""
+    _check(two_ranks, "fsdp2_fully_shard", at_least=2)
+
+
 def test_rank_dependent_loops_and_item_branches(two_ranks):
     _check(two_ranks, "rank_dependent_loops_and_item", at_least=2)
 
@@ -162,3 +173,25 @@ def test_torchrun_script_unchanged(how):
     for r in reports:
         assert r["mode"] == "defer" and r["equal"], r
         assert r["collectives"].get("c10d::allreduce_", 0) >= 2, r
+
+
+def test_storage_resize_inside_defer_computes_pending_reads_first():
+    """UntypedStorage.resize_ (no aten op sees it; FSDP2 frees and reallocates memory with it):
+    pending readers of the memory see it as it was, and the memory is read afresh after."""
+    import torch
+
+    import deferfuse
+
+    def program():
+        x = torch.arange(6.0)
+        with_pending = x * 2
+        x.untyped_storage().resize_(0)
+        x.untyped_storage().resize_(6 * 4)
+        x.copy_(torch.ones(6))
+        return with_pending.tolist(), (x + 1).tolist()
+
+    with deferfuse.strict():
+        expected = program()
+    with deferfuse.defer():
+        got = program()
+    assert got == expected

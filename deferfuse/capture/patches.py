@@ -121,6 +121,28 @@ def _with_memory(original):
     return function
 
 
+def _storage_resize(original):
+    """``UntypedStorage.resize_``, which no aten op sees (FSDP2 frees an unsharded parameter's
+    memory with ``resize_(0)`` and allocates it again before the next all-gather): what is
+    pending is computed first (pending reads of the memory see it as it was), and what
+    deferfuse knew of the memory is forgotten."""
+    @functools.wraps(original)
+    def resize_(self, size):
+        recorder = recorder_on_stack()
+        if recorder is None:
+            return original(self, size)
+        with no_dispatch():
+            recorder.flush_all(FlushReason.DATA_PTR, detail="UntypedStorage.resize_")
+            state = STATES_BY_PTR.pop(self.data_ptr(), None)
+            result = original(self, size)
+            if state is not None:
+                state.old_leaves = []
+                state.changed()
+            recorder._forget_plain()
+        return result
+    return resize_
+
+
 def _distributed_patches() -> list:
     if not torch.distributed.is_available():
         return []
@@ -195,10 +217,12 @@ class Patches:
 
 # While a defer block runs: ``p.data = q`` must know deferred tensors (q's memory does not
 # exist yet), torch.linalg.matrix_rank's out= must be written (under any dispatch mode its
-# C++ composite drops it), and torch.distributed's C++ readers of memory see it computed.
+# C++ composite drops it), a storage resized by Python code is forgotten, and torch.distributed's
+# C++ readers of memory see it computed.
 BLOCK_PATCHES = Patches(lambda: [
     (torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)),
-    (torch.Tensor, "data", _data_property()), *_distributed_patches()])
+    (torch.Tensor, "data", _data_property()),
+    (torch.UntypedStorage, "resize_", _storage_resize(torch.UntypedStorage.resize_)), *_distributed_patches()])
 
 
 # While a block has written a plain tensor: the methods in PLAIN_READS write its pending
