@@ -183,7 +183,8 @@ def test_storage_resize_inside_defer_computes_pending_reads_first():
     import deferfuse
 
     def program():
-        x = torch.arange(6.0)
+        with deferfuse.strict():
+            x = torch.arange(6.0)   # (plain memory, as FSDP2's unsharded parameters are)
         with_pending = x * 2
         x.untyped_storage().resize_(0)
         x.untyped_storage().resize_(6 * 4)
