@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deep demo bench bench-train bench-zoo conformance clean
+.PHONY: install test test-deep demo bench bench-train bench-zoo bench-dist conformance clean
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ bench-train: $(STAMP)
 # BENCH_ZOO_ARGS="--size tiny" or "--only llama,gpt2".
 bench-zoo: $(STAMP)
 	$(PY) -m bench.zoo $(BENCH_ZOO_ARGS)
+
+# torch.distributed on 2 gloo ranks (bench/dist.py): a DDP step of a zoo model and a 2-stage
+# pipeline, strict vs defer.  BENCH_DIST_ARGS adds options, e.g. BENCH_DIST_ARGS="--size small".
+bench-dist: $(STAMP)
+	$(PY) -m bench.dist $(BENCH_DIST_ARGS)
 
 # The OpInfo conformance sweep (docs/conformance.md): every OpInfo x dtype x variant, strict vs
 # defer.  CONFORMANCE_ARGS adds options, e.g. CONFORMANCE_ARGS="--max-samples 0" for every sample.
