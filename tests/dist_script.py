@@ -1,10 +1,11 @@
 """An unchanged torch.distributed script for tests/test_distributed.py, started by torchrun
 under a deferfuse mode (``-m deferfuse --mode defer`` or TORCHTPU_MODE=defer): an all_reduce of
 computed tensors and a few DDP training steps, compared with the same code under
-deferfuse.strict() in the same process.  Each rank prints one JSON line."""
+deferfuse.strict() in the same process.  Each rank writes a JSON report into $DIST_SCRIPT_OUT."""
 
 import datetime
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -41,8 +42,9 @@ def main():
         expected = program(rank)
     close = all(torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
                 for a, b in zip(got[:3], expected[:3]))
-    print(json.dumps({"rank": rank, "mode": mode, "equal": close,
-                      "collectives": deferfuse.stats()["collectives"]}), flush=True)
+    report = json.dumps({"rank": rank, "mode": mode, "equal": close, "collectives": deferfuse.stats()["collectives"]})
+    with open(os.path.join(os.environ["DIST_SCRIPT_OUT"], f"rank{rank}.json"), "w") as f:
+        f.write(report)
     dist.destroy_process_group()
 
 

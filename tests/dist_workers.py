@@ -226,6 +226,11 @@ def _functional(kind):
             out = funcol.all_to_all_single(t, None, None, group)
         elif kind == "broadcast":
             out = funcol.broadcast(t, 0, group)
+        elif kind == "autograd":   # _c10d_functional_autograd, and its backward
+            w = t.detach().requires_grad_()
+            gathered = funcol.all_gather_tensor_autograd(w * 3, 0, group)
+            gathered.pow(2).sum().backward()
+            out = torch.cat([gathered.detach(), w.grad])
         elif kind == "ops":   # the ops themselves, with wait_tensor
             ops = torch.ops._c10d_functional
             out = ops.wait_tensor(ops.all_reduce(t * 2, "max", group.group_name))
@@ -258,7 +263,7 @@ def collective_table() -> dict:
     table["isend_irecv"] = _send_recv(False)
     table["batch_isend_irecv"] = _batch_isend_irecv
     for kind in ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
-                 "broadcast", "ops", "inplace"):
+                 "broadcast", "autograd", "ops", "inplace"):
         table[f"functional_{kind}"] = _functional(kind)
     return table
 

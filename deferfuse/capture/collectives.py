@@ -94,8 +94,9 @@ class CollectiveMixin:
         tensors = tensors_in(args, kwargs)
         real_args, real_kwargs = self.realize((args, kwargs), FlushReason.COLLECTIVE)
         out = func(*real_args, **real_kwargs)
+        # (contents only: a collective resizes nothing, so what the recorder remembers of plain
+        # tensors' layouts stays true)
         mark_written(tensors)
-        self._forget_plain()
         if any(isinstance(t, DeferredTensor) for t in tensors):
             # (a c10d op returns the tensors it wrote: the caller's, not their data)
             out = map_returned(out, tensors_in(real_args, real_kwargs), tensors)
@@ -107,7 +108,6 @@ class CollectiveMixin:
         STATS.collectives[collective_name(func)] += 1
         out = func(*args, **kwargs)
         mark_written(tensors_in(args, kwargs))
-        self._forget_plain()
         return out
 
 
