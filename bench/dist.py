@@ -2,8 +2,9 @@
 
     python -m bench.dist [--model llama] [--size tiny] [--steps 5] [--rounds 3]   (make bench-dist)
 
-Two workloads, each timed under strict and under defer, interleaved round by round on the same
-ranks (each mode trains its own copy of the model from the same initial weights), after untimed
+Two workloads, each timed under strict, under defer (deferfuse's defaults: a block that ran
+faster at once runs at once, ``eager_blocks``) and deferred (defer with the block tier off: every
+op recorded), interleaved round by round on the same ranks (each mode trains its own copy of the model from the same initial weights), after untimed
 warm-up steps that wait for deferfuse's background compiles:
 
 - ``ddp``: a DistributedDataParallel training step (forward, backward with the gradient
@@ -12,8 +13,8 @@ warm-up steps that wait for deferfuse's background compiles:
 - ``pipeline``: a hand-written 2-stage pipeline (rank 0: the first half of an MLP, rank 1: the
   second half and the loss), 4 microbatches per step, activations and gradients by send/recv.
 
-A step's time is the slower rank's (all-reduced with MAX).  The ratio is strict's median over
-defer's (above 1: defer is faster).  Results go to bench/results/dist.json.
+A step's time is the slower rank's (all-reduced with MAX).  A ratio is strict's median over the
+mode's (above 1: faster than strict).  Results go to bench/results/dist.json.
 """
 
 from __future__ import annotations
@@ -35,9 +36,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
+def _deferred():
+    """defer with the block tier off: every block recorded, never run at once."""
+    import contextlib
+
+    import deferfuse
+    stack = contextlib.ExitStack()
+    stack.enter_context(deferfuse.config.override(eager_blocks=False))
+    stack.enter_context(deferfuse.defer())
+    return stack
+
+
 def _modes():
     import deferfuse
-    return {"strict": deferfuse.strict, "defer": deferfuse.defer}
+    return {"strict": deferfuse.strict, "defer": deferfuse.defer, "deferred": _deferred}
 
 
 def _timed(run, steps: int) -> float:
@@ -131,8 +143,9 @@ def rank_main(args) -> None:
             for mode, run in runners.items():
                 times[mode].append(_timed(run, args.steps))
         medians = {mode: statistics.median(t) for mode, t in times.items()}
-        rows[name] = {"strict_ms": medians["strict"] * 1e3, "defer_ms": medians["defer"] * 1e3,
-                      "ratio": medians["strict"] / medians["defer"], "rounds_ms": {m: [x * 1e3 for x in t] for m, t in times.items()}}
+        rows[name] = {**{f"{m}_ms": t * 1e3 for m, t in medians.items()},
+                      **{f"ratio_{m}": medians["strict"] / medians[m] for m in medians if m != "strict"},
+                      "rounds_ms": {m: [x * 1e3 for x in t] for m, t in times.items()}}
     if args.rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f)
@@ -174,9 +187,10 @@ def main(argv=None) -> int:
             rows = json.load(f)
     print(f"torch.distributed, 2 ranks on gloo: strict vs defer ({args.model} {args.size}, "
           f"{args.steps} steps x {args.rounds} rounds; ratio = strict / defer)")
-    print(f"{'workload':<10} {'strict ms':>10} {'defer ms':>10} {'ratio':>7}")
+    print(f"{'workload':<10} {'strict ms':>10} {'defer ms':>10} {'ratio':>7} {'deferred ms':>12} {'ratio':>7}")
     for name, row in rows.items():
-        print(f"{name:<10} {row['strict_ms']:>10.1f} {row['defer_ms']:>10.1f} {row['ratio']:>7.2f}")
+        print(f"{name:<10} {row['strict_ms']:>10.1f} {row['defer_ms']:>10.1f} {row['ratio_defer']:>7.2f} "
+              f"{row['deferred_ms']:>12.1f} {row['ratio_deferred']:>7.2f}")
     result = {"command": "python -m bench.dist " + " ".join(argv if argv is not None else sys.argv[1:]),
               "model": args.model, "size": args.size, "steps": args.steps, "rounds": args.rounds,
               "machine": harness.machine_info(), "rows": rows}
