@@ -202,6 +202,35 @@ def _send_recv(blocking):
     return run
 
 
+def _objects(rank, world):
+    """Object collectives: pickled into byte tensors (frombuffer: foreign memory) and back."""
+    t = _pending(rank, n=3)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "values": t.tolist()})
+    objects = [t * 2 if rank == 0 else None, "x"]
+    dist.broadcast_object_list(objects, src=0)
+    return [torch.tensor(g["values"]) for g in gathered] + [objects[0]]
+
+
+def _views(rank, world):
+    """Collectives on views of pending tensors (a slice, a column, a reshaped block)."""
+    base = _pending(rank, n=12).reshape(3, 4)
+    row, column = base[1], base[:, 2]
+    dist.all_reduce(row)
+    dist.broadcast(column, src=1)
+    block = base.reshape(12)[4:10]
+    dist.all_reduce(block, op=dist.ReduceOp.MAX)
+    return [base, row + column.sum()]
+
+
+def _list_forms(rank, world):
+    """all_to_all and reduce_scatter of tensor lists (where gloo runs them)."""
+    ins = [_pending(rank, n=2) + r for r in range(world)]
+    outs = [torch.zeros(2) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    return outs
+
+
 def _batch_isend_irecv(rank, world):
     mine = _pending(rank) ** 2
     got = torch.zeros(6)
@@ -259,6 +288,9 @@ def collective_table() -> dict:
     table["plain_written"] = _plain_written(False)
     table["plain_written_async"] = _plain_written(True)
     table["barrier"] = _barrier
+    table["objects"] = _objects
+    table["views"] = _views
+    table["all_to_all_lists"] = _list_forms
     table["send_recv"] = _send_recv(True)
     table["isend_irecv"] = _send_recv(False)
     table["batch_isend_irecv"] = _batch_isend_irecv
