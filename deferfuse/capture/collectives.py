@@ -111,9 +111,9 @@ class CollectiveMixin:
         return out
 
 
-def suspended_for_foreign_code(recorder: Any, args: tuple, kwargs: dict) -> tuple:
-    """Before C++ code of torch.distributed that reads tensor memory directly (no aten op):
-    everything pending computed, deferred arguments replaced by their memory."""
-    recorder.flush_all(FlushReason.COLLECTIVE, detail="foreign code")
+def suspended_for_foreign_code(recorder: Any, name: str, args: tuple, kwargs: dict) -> tuple:
+    """Before ``name``, C++ code of torch.distributed that reads tensor memory directly (no aten
+    op): everything pending computed, deferred arguments replaced by their memory."""
+    recorder.flush_all(FlushReason.COLLECTIVE, detail=name)
     return recorder.realize((args, kwargs), FlushReason.COLLECTIVE)
 

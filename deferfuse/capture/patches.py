@@ -116,7 +116,8 @@ def _with_memory(original):
         if recorder is None:
             return original(*args, **kwargs)
         with no_dispatch():
-            args, kwargs = suspended_for_foreign_code(recorder, args, kwargs)
+            args, kwargs = suspended_for_foreign_code(recorder, f"torch.distributed.{original.__name__}",
+                                                      args, kwargs)
             return original(*args, **kwargs)
     return function
 
