@@ -396,6 +396,38 @@ def ddp_checks(rank, world, results) -> None:
                 "ok": ok, "detail": f"{(got['strict'] - got['defer']).abs().max()}"}
 
 
+class _Branchy(torch.nn.Module):
+    """BatchNorm (a buffer DDP broadcasts), and with ``unused`` a layer used every other step."""
+
+    def __init__(self, unused: bool):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.unused = torch.nn.Linear(8, 2) if unused else None
+
+    def forward(self, x, use_b=True):
+        h = self.bn(self.a(x).relu())
+        return self.b(h) if use_b else self.unused(h)
+
+
+def _ddp_variant(options: dict):
+    """DDP with find_unused_parameters, static_graph or broadcast_buffers."""
+    def run(rank, world):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        torch.manual_seed(rank)
+        unused = bool(options.get("find_unused_parameters"))
+        model = DDP(_Branchy(unused), bucket_cap_mb=0.0005, **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step + 10 * rank)
+            loss = model(torch.randn(5, 6, generator=g), step % 2 == 0 or not unused).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()] + [model.module.bn.running_mean]
+    return run
+
+
 # -- MPMD: a two-stage pipeline, rank-dependent programs -----------------------------------------
 def _pipeline(rank, steps: int = 3, micro: int = 2):
     """Stage ``rank`` of a two-stage pipeline: activations forward, gradients back, each
@@ -542,6 +574,8 @@ def group_main(rank, world, results) -> None:
     _compare("pipelining_gpipe", _pipelining, rank, world, results)
     _compare("fsdp2_fully_shard", _fsdp2, rank, world, results)
     ddp_checks(rank, world, results)
+    for name in ("find_unused_parameters", "static_graph", "broadcast_buffers"):
+        _compare(f"ddp_option_{name}", _ddp_variant({name: True}), rank, world, results)
 
 
 def group_three(rank, world, results) -> None:

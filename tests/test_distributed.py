@@ -105,6 +105,13 @@ def test_ddp_built_and_trained_inside_defer(two_ranks):
         _check(two_ranks, f"ddp_bucket_view_{bucket_view}_defer_equals_strict", at_least=2)
 
 
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph", "broadcast_buffers"])
+def test_ddp_options_inside_defer(two_ranks, option):
+    """DDP with an unused layer every other step (find_unused_parameters), static_graph, and
+    BatchNorm buffers broadcast each step: equal to strict DDP."""
+    _check(two_ranks, f"ddp_option_{option}", at_least=2)
+
+
 @pytest.mark.parametrize("label", ["defer", "mixed_defer_first", "mixed_strict_first"])
 def test_two_stage_pipeline_mpmd(two_ranks, label):
     """A hand-written pipeline, each rank its own stage (send/recv of activations and
