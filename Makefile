@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deep demo bench bench-train bench-zoo bench-compile conformance clean
+.PHONY: install test test-deep demo bench bench-train bench-zoo bench-compile bench-dist conformance clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ bench-zoo: $(STAMP)
 # torch.compile(backend="deferfuse") vs strict and Inductor on the zoo's Llama step (bench/compile.py)
 bench-compile: $(STAMP)
 	$(PY) -m bench.compile $(BENCH_COMPILE_ARGS)
+
+# torch.distributed on 2 gloo ranks (bench/dist.py): a DDP step of a zoo model and a 2-stage
+# pipeline, strict vs defer.  BENCH_DIST_ARGS adds options, e.g. BENCH_DIST_ARGS="--size small".
+bench-dist: $(STAMP)
+	$(PY) -m bench.dist $(BENCH_DIST_ARGS)
 
 # The OpInfo conformance sweep (docs/conformance.md): every OpInfo x dtype x variant, strict vs
 # defer.  CONFORMANCE_ARGS adds options, e.g. CONFORMANCE_ARGS="--max-samples 0" for every sample.

@@ -35,6 +35,7 @@ class FlushReason(enum.Enum):
     SYNC = "sync"                      # deferfuse.sync()
     NODE_LIMIT = "node_limit"          # too many pending ops
     ESCAPE = "escape"                  # a deferred tensor used after its context ended
+    COLLECTIVE = "collective"          # a torch.distributed collective (capture/collectives.py)
 
 
 class FallbackReason(enum.Enum):

@@ -13,7 +13,7 @@ class Stats:
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
                  "eager_chosen", "unseen_ops_run", "lone_ops_run", "host_scalar_ops_run", "executables_evicted",
                  "blocks_run_at_once", "compiled_graphs", "compiled_partitions",
-                 "compiled_specializations", "compiled_fallbacks", "compiled_rule_calls")
+                 "compiled_specializations", "compiled_fallbacks", "compiled_rule_calls", "collectives")
 
     def __init__(self) -> None:
         self.reset()
@@ -51,6 +51,8 @@ class Stats:
         self.compiled_specializations = 0
         self.compiled_fallbacks: collections.Counter[str] = collections.Counter()
         self.compiled_rule_calls = 0
+        # torch.distributed collectives run (each a flush point), by op: {"c10d::allreduce_": 3}
+        self.collectives: collections.Counter[str] = collections.Counter()
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

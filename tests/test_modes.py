@@ -86,6 +86,23 @@ def test_set_mode_sets_thread_default():
     assert type(torch.ones(2) * 5) is torch.Tensor
 
 
+def test_set_mode_defer_python_reads_of_a_written_plain_tensor():
+    """The default defer mode's dispatch mode (a SegmentedDeferMode) is found by the wrappers
+    that write a plain tensor's pending contents back before Python-level reads."""
+    expected = torch.zeros(3).add_(torch.ones(3) * 2)
+    p = torch.zeros(3)
+    try:
+        with deferfuse.config.override(eager_segments=True):
+            deferfuse.set_mode("defer")
+            assert type(torch.utils._python_dispatch._get_current_dispatch_mode()).__name__ == "SegmentedDeferMode"
+        p.add_(torch.ones(3) * 2)
+        listed, array = p.tolist(), p.numpy().copy()
+    finally:
+        deferfuse.set_mode("strict")
+    assert listed == expected.tolist()
+    assert array.tolist() == expected.tolist()
+
+
 def _run(args, env_extra=None, cwd=None):
     env = dict(os.environ)
     env.pop("TORCHTPU_MODE", None)

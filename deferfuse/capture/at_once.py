@@ -22,6 +22,7 @@ from ..stats import STATS
 from . import flush
 from . import meta as meta_
 from .classify import FRESH_RESULT_KINDS, OpKind
+from .collectives import COLLECTIVE
 from .opaque import opaque
 from .opfacts import FACTS, LOCAL_SCALAR_DENSE, learn_facts
 from .storage import STATES_BY_PTR, forget_all_reads, snapshot_old_leaves, untyped_storage
@@ -133,7 +134,9 @@ class AtOnceMixin:
         before the segment answers with its data, as after its block), except a write, which
         run_eager also marks on the memory deferfuse tracks (what a later deferred segment
         read of it before is stale)."""
-        info = (FACTS.get(id(func)) or learn_facts(func))[0]
+        info, special, _ = FACTS.get(id(func)) or learn_facts(func)
+        if special is COLLECTIVE:
+            return self.run_collective_at_once(func, args, kwargs)
         if info.written:
             return self.run_eager(func, info, args, kwargs, FlushReason.SYNC, None)
         return func(*args, **kwargs)

@@ -26,9 +26,10 @@ from .storage import STATES_BY_PTR, flat_meta, raw_data_ptr, snapshot_old_leaves
 
 
 def materialize_states(states: list[StorageState], reason: FlushReason, recorder: Any,
-                       everything: bool = False) -> None:
+                       everything: bool = False, detail: Optional[str] = None) -> None:
     """Compute the contents of ``states`` and write them into their buffers (``everything``:
-    they are all that is pending, so there is nothing to widen the flush to)."""
+    they are all that is pending, so there is nothing to widen the flush to; ``detail``: what
+    explain() says after the reason, such as the collective that flushed)."""
     states = [s for s in states if s.contents is not None]
     if not states:
         return
@@ -50,7 +51,8 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
         trigger = user_source() if recorder is None or recorder.record_source else None
         # (whether this flush computes a target's result: then the memory is its own to adopt)
         fresh_results = [v.result is None for v in targets]
-        computed = iter(engine.execute(nodes, to_compute, reason.value, trigger, on_lone=meta_.mark_lone) if to_compute else [])
+        why = reason.value if detail is None else f"{reason.value} {detail}"
+        computed = iter(engine.execute(nodes, to_compute, why, trigger, on_lone=meta_.mark_lone) if to_compute else [])
         results = [(next(computed), True) if fresh else (v.result, False)
                    for v, fresh in zip(targets, fresh_results)]
         adopted: set[int] = set()

@@ -12,6 +12,7 @@ import torch
 from ..lower.registry import LOWERINGS
 from ..lower.table import get_lowering
 from .classify import OpKind, functional_variant, op_info
+from .collectives import COLLECTIVE, is_collective
 from .unroll import DECOMPOSITIONS, unroll_foreach
 
 aten = torch.ops.aten
@@ -58,7 +59,10 @@ def grad_mode_keyed(func: torch._ops.OpOverload) -> bool:
 
 
 def _special_form(op: torch._ops.OpOverload):
-    """Our own decomposition of ``op`` (capture/unroll.py), or None."""
+    """Our own decomposition of ``op`` (capture/unroll.py), COLLECTIVE for a communication op
+    (capture/collectives.py), or None."""
+    if is_collective(op):
+        return COLLECTIVE
     if op in DECOMPOSITIONS:
         return DECOMPOSITIONS[op]
     if op._schema.name.startswith("aten::_foreach_"):

@@ -19,6 +19,7 @@ from torch._prims_common.wrappers import _maybe_resize_out
 
 from ..errors import FlushReason
 from . import flush
+from .collectives import suspended_for_foreign_code
 from .dispatch_keys import PYTHON_KEY, no_dispatch
 from .opaque import opaque
 from .storage import STATES_BY_PTR, untyped_storage
@@ -58,7 +59,7 @@ def recorder_on_stack() -> Any:
         return None
     for i in range(torch._C._len_torch_dispatch_stack() - 1, -1, -1):
         mode = torch._C._get_dispatch_stack_at(i)
-        if type(mode) is _mode_type:
+        if isinstance(mode, _mode_type):   # (DeferMode, or the default mode's SegmentedDeferMode)
             return mode.recorder
     return None
 
@@ -135,6 +136,52 @@ def _out_written_after(original):
     return function
 
 
+def _with_memory(original):
+    """A C++ function of torch.distributed that reads tensor memory itself, around aten ops it
+    dispatches (DDP's parameter shape check fills a tensor with a broadcast and reads it
+    through an accessor): it runs as strict runs it, with everything pending computed first
+    and the dispatch mode off (its own collectives run on torch's process group as they are)."""
+    @functools.wraps(original)
+    def function(*args, **kwargs):
+        recorder = recorder_on_stack()
+        if recorder is None:
+            return original(*args, **kwargs)
+        with no_dispatch():
+            args, kwargs = suspended_for_foreign_code(recorder, f"torch.distributed.{original.__name__}",
+                                                      args, kwargs)
+            return original(*args, **kwargs)
+    return function
+
+
+def _storage_resize(original):
+    """``UntypedStorage.resize_``, which no aten op sees (FSDP2 frees an unsharded parameter's
+    memory with ``resize_(0)`` and allocates it again before the next all-gather): what is
+    pending is computed first (pending reads of the memory see it as it was), and what
+    deferfuse knew of the memory is forgotten."""
+    @functools.wraps(original)
+    def resize_(self, size):
+        recorder = recorder_on_stack()
+        if recorder is None:
+            return original(self, size)
+        with no_dispatch():
+            recorder.flush_all(FlushReason.DATA_PTR, detail="UntypedStorage.resize_")
+            state = STATES_BY_PTR.pop(self.data_ptr(), None)
+            result = original(self, size)
+            if state is not None:
+                state.old_leaves = []
+                state.changed()
+            recorder._forget_plain()
+        return result
+    return resize_
+
+
+def _distributed_patches() -> list:
+    if not torch.distributed.is_available():
+        return []
+    return [(torch.distributed, name, _with_memory(getattr(torch.distributed, name)))
+            for name in ("_verify_params_across_processes",) if hasattr(torch.distributed, name)]
+
+
 _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]
 
 
@@ -201,11 +248,13 @@ class Patches:
 
 
 # While a defer block runs: ``p.data = q`` must know deferred tensors (q's memory does not
-# exist yet), and torch.linalg.matrix_rank's out= must be written (under any dispatch mode its
-# C++ composite drops it).
+# exist yet), torch.linalg.matrix_rank's out= must be written (under any dispatch mode its
+# C++ composite drops it), a storage resized by Python code is forgotten, and torch.distributed's
+# C++ readers of memory see it computed.
 BLOCK_PATCHES = Patches(lambda: [
     (torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)),
-    (torch.Tensor, "data", _data_property())])
+    (torch.Tensor, "data", _data_property()),
+    (torch.UntypedStorage, "resize_", _storage_resize(torch.UntypedStorage.resize_)), *_distributed_patches()])
 
 
 # While a block has written a plain tensor: the methods in PLAIN_READS write its pending

@@ -10,6 +10,8 @@ storages it touched, what is pending) and does the work.  Each op is classified 
   RANDOM     drawn eagerly from torch's generator (same stream as strict), fed in as a graph input
   DYNAMIC    its inputs are flushed and it runs eagerly (the output shape depends on data)
   OBSERVING  likewise; it returns Python values
+A collective of torch.distributed is never recorded: it flushes, runs on torch's process group
+and marks its tensors written (``collectives.py``).
 Ops with no lowering use a torch._decomp decomposition when one exists, and otherwise run
 eagerly after flushing their inputs (counted in stats().fallbacks).  So do ops whose metadata
 meta tensors cannot give (no meta kernel, a meta kernel that rejects what the CPU kernel runs,
@@ -52,6 +54,7 @@ from . import flush
 from . import meta as meta_
 from .at_once import AtOnceMixin, computed_args
 from .classify import OpKind
+from .collectives import COLLECTIVE, CollectiveMixin
 from .dispatch_keys import no_dispatch
 from .fastpath import FastPathMixin
 from .flush import flatten_detached
@@ -69,7 +72,7 @@ from .trees import restructure, undefined_where_masked
 _epochs = itertools.count()
 
 
-class Recorder(FastPathMixin, MutationMixin, AtOnceMixin):
+class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
     """The state of one defer context."""
 
     def __init__(self) -> None:
@@ -322,6 +325,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin):
         if facts is None:
             facts = learn_facts(func)
         info, special, _ = facts
+        if special is COLLECTIVE:
+            return self.run_collective(func, args, kwargs)
         if (info.composite_implicit or special is not None or info.kind in ACTS_BEFORE_CONVERTING) \
                 and opaque_in(args, kwargs):
             # (other kinds find an opaque argument when they convert it, before doing anything)
@@ -490,8 +495,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin):
         states.sort(key=lambda s: (s.contents[1].node.id, s.contents[1].index))
         return states
 
-    def flush_all(self, reason: FlushReason) -> None:
+    def flush_all(self, reason: FlushReason, detail: Optional[str] = None) -> None:
         states = self.pending_states()
         if states:
-            flush.materialize_states(states, reason, self, everything=True)
+            flush.materialize_states(states, reason, self, everything=True, detail=detail)
         self.pending_nodes = 0
