@@ -492,3 +492,24 @@ def test_masked_scatter_with_zero_dim_self_and_mask():
     lowered(lambda x, m, s: x.masked_scatter(m, s), torch.tensor(1.5), torch.tensor(True), torch.randn(1))
     xg = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
     check(lambda x: torch.autograd.grad(torch.masked_select(x, torch.tensor(True)).sum(), x), xg)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("start, end", [(None, None), (1, 3), (-2, None), (-10, 2), (2, 2), (3, 100), (None, -1)])
+def test_slice_scatter_with_step_one_as_one_block(dim, start, end):
+    # (lowered as one dynamic_update_slice, not a scatter of single elements: clamped, negative
+    # and empty ranges as torch takes them)
+    x = torch.randn(4, 5, 3)
+
+    def fn(x):
+        index = [slice(None)] * 3
+        index[dim] = slice(start, end)
+        return torch.slice_scatter(x * 1, x[tuple(index)] * 2 + 1, dim, start, end)
+    lowered(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_select_scatter_as_one_block(dtype):
+    x = sample(dtype, 3, 4)
+    for dim, index in ((0, 0), (0, -1), (1, 2), (-1, -4)):
+        lowered(lambda x: torch.select_scatter(x.clone(), x.select(dim, 0).clone(), dim, index), x)

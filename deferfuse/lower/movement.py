@@ -255,8 +255,31 @@ def view_scatter(ctx, x, src, *args, **kwargs):
         flat = _views.flatten(x, out)
         view = view_op(_as_meta_tensor(out), *args, **kwargs)
         return _views.read_view(_views.write_view(flat, src, _meta_of(view)), out)
+    if ctx.op is aten.slice_scatter.default or ctx.op is aten.select_scatter.default:
+        block = _block_update(ctx.op, x, src, *args, **kwargs)
+        if block is not None:
+            return block
     view = view_op(_contiguous_meta_tensor(x.shape, ctx.args[0].dtype), *args, **kwargs)
     return _views.write_view(x.reshape(-1), src, _meta_of(view)).reshape(x.shape)
+
+
+def _block_update(op, x, src, dim=0, start=None, end=None, step=1):
+    """slice_scatter with step 1, and select_scatter, as one dynamic_update_slice: the generic
+    strided write is a scatter of single elements, which XLA's CPU backend runs as a loop (the
+    backward of a rotary embedding's ``x[..., :half]``: eight such scatters in a Llama step's
+    backward).  None where the write is not one block (a step over 1)."""
+    dim = _dim(dim, x.ndim)
+    size = x.shape[dim]
+    if op is aten.select_scatter.default:
+        index = start + size if start < 0 else start    # (select_scatter(x, src, dim, index))
+        return lax.dynamic_update_slice_in_dim(x, jnp.expand_dims(src, dim).astype(x.dtype), index, axis=dim)
+    if step != 1:
+        return None
+    start = 0 if start is None else (start + size if start < 0 else start)
+    start = min(max(start, 0), size)
+    if src.shape[dim] == 0:
+        return x
+    return lax.dynamic_update_slice_in_dim(x, src.astype(x.dtype), start, axis=dim)
 
 
 # -- gather and scatter along a dim ------------------------------------------------------------
