@@ -6,7 +6,10 @@ pays (Dynamo's tracing, AOTAutograd, the compiler) and no candidate warms anothe
 
 - ``strict``: plain PyTorch;
 - ``aot_eager``: ``torch.compile(backend="aot_eager")``, tracing alone (the floor of a first step);
-- ``inductor``: ``torch.compile`` with its default backend;
+- ``inductor``: ``torch.compile`` with its default backend, its caches empty (a fresh
+  ``TORCHINDUCTOR_CACHE_DIR``: its FX graph and kernel caches otherwise persist in /tmp across
+  runs, and a first step measured after an earlier run is a warm one);
+- ``inductor-warm``: the same in a second process, with the caches the first one filled;
 - ``deferfuse-cold``: ``torch.compile(backend=deferfuse.compile.backend)`` with an empty disk cache;
 - ``deferfuse-warm``: the same in a second process, with the disk cache the cold run filled;
 - ``deferfuse+defer``: the same compiled model (warm), with AdamW's step in a
@@ -30,8 +33,8 @@ import sys
 import tempfile
 import time
 
-CANDIDATES = ("strict", "aot_eager", "inductor", "deferfuse-cold", "deferfuse-warm", "deferfuse+defer",
-              "side-by-side")
+CANDIDATES = ("strict", "aot_eager", "inductor", "inductor-warm", "deferfuse-cold", "deferfuse-warm",
+              "deferfuse+defer", "side-by-side")
 # side-by-side: strict, defer mode (the step in a defer block), Inductor and deferfuse (compiled,
 # warm) in one process, their steps
 # alternating, so a busy machine's load falls on all three alike; its ratios are the steady ones
@@ -84,8 +87,8 @@ def child(candidate: str, model_name: str, size: str, steps: int, warmup: int) -
         import deferfuse
         import deferfuse.compile
         forward = torch.compile(m, backend=deferfuse.compile.backend)
-    elif candidate in ("aot_eager", "inductor"):
-        forward = torch.compile(m, backend=candidate)
+    elif candidate in ("aot_eager", "inductor", "inductor-warm"):
+        forward = torch.compile(m, backend=candidate.removesuffix("-warm"))
     else:
         forward = m
     times, losses = [], []
@@ -112,7 +115,7 @@ def child(candidate: str, model_name: str, size: str, steps: int, warmup: int) -
 
 
 def run_child(candidate: str, args: argparse.Namespace, cache: str) -> dict:
-    env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache)
+    env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
     command = [sys.executable, "-m", "bench.compile", "--child", candidate, "--model", args.model,
                "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
