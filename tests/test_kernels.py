@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 import deferfuse
 from deferfuse import config
+from zoo_training import assert_trains_as
 from deferfuse.kernels import KernelError, pallas_interpret
 from deferfuse.kernels.examples import attention as attention_example
 from deferfuse.kernels.examples import rmsnorm as rmsnorm_example
@@ -301,29 +302,8 @@ def test_jax_attention_drops_in_for_sdpa():
 
 
 def test_tiny_llama_with_jax_attention_trains_as_strict():
-    from bench import zoo_models as zoo
     name = attention_example.register_with_transformers()
-    model = zoo.MODELS["llama"]
-
-    def run(block, implementation):
-        m = model.make("tiny")
-        if implementation:
-            m.set_attn_implementation(implementation)
-        optimizer = zoo.optimizer_for(m, model)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(2):
-            with block():
-                losses.append(zoo.train_step(m, model, optimizer, model.batch("tiny", g)))
-        return torch.stack([loss.detach() for loss in losses]), list(m.parameters())
-
-    expected, expected_params = run(contextlib.nullcontext, None)      # torch's SDPA
-    deferfuse.reset_stats()
-    losses, params = run(deferfuse.defer, name)
-    assert deferfuse.stats()["fallbacks"] == {}
-    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
-    for got, want in zip(params, expected_params):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_trains_as(name, None, blocks=(deferfuse.defer,))      # against torch's SDPA
 
 
 def test_torch_compile_treats_the_op_as_an_opaque_custom_op():

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import deferfuse
 from deferfuse import config
 from deferfuse.kernels import tokamax as tk
+from zoo_training import assert_trains_as
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_TOKAMAX = importlib.util.find_spec("tokamax") is not None
@@ -241,31 +242,9 @@ def test_hf_attention_takes_boolean_and_additive_masks_as_sdpa():
 
 @needs_tokamax
 def test_tiny_llama_with_tokamax_attention_trains_as_strict_sdpa():
-    from bench import zoo_models as zoo
     name = tk.register_with_transformers()
     assert name == "tokamax"
-    model = zoo.MODELS["llama"]
-
-    def run(block, implementation):
-        m = model.make("tiny")
-        if implementation:
-            m.set_attn_implementation(implementation)
-        optimizer = zoo.optimizer_for(m, model)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(2):
-            with block():
-                losses.append(zoo.train_step(m, model, optimizer, model.batch("tiny", g)))
-        return torch.stack([loss.detach() for loss in losses]), list(m.parameters())
-
-    expected, expected_params = run(contextlib.nullcontext, "sdpa")
-    for block in (contextlib.nullcontext, deferfuse.defer):
-        deferfuse.reset_stats()
-        losses, params = run(block, "tokamax")
-        assert deferfuse.stats()["fallbacks"] == {}
-        torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
-        for got, want in zip(params, expected_params):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_trains_as("tokamax", "sdpa")
 
 
 # -- a missing tokamax ---------------------------------------------------------------------------

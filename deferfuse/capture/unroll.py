@@ -37,13 +37,7 @@ def unroll_foreach(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     (n,) = lengths
     results = []
     for i in range(n):
-        pos, kw = [], {}
-        for value, name, kwarg_only, listed in zip(values, binding.names, binding.kwarg_only, binding.listed):
-            element = value[i] if listed else value
-            if kwarg_only:
-                kw[name] = element
-            else:
-                pos.append(element)
+        pos, kw = binding.element_arguments(values, i)
         result = binding.op(*pos, **kw)
         if binding.copy_back:
             values[0][i].copy_(result)

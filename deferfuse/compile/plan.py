@@ -131,13 +131,7 @@ def unroll_foreach_nodes(gm: torch.fx.GraphModule) -> int:
         elements = []
         with gm.graph.inserting_before(node):
             for i in range(len(lists[0])):
-                pos, kw = [], {}
-                for value, name, kwarg_only, listed in zip(args, binding.names, binding.kwarg_only, binding.listed):
-                    element = value[i] if listed else value
-                    if kwarg_only:
-                        kw[name] = element
-                    else:
-                        pos.append(element)
+                pos, kw = binding.element_arguments(args, i)
                 element_node = gm.graph.call_function(binding.op, tuple(pos), kw)
                 if val is not None:
                     element_node.meta["val"] = val[i]
@@ -288,6 +282,16 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
             partitions.append(current)
         current = None
 
+    def on_torch(node: torch.fx.Node, counted: bool, reason: str = "") -> None:
+        """``node`` runs on torch where it stands, ending the current partition (``counted``: a
+        fallback, with its reason)."""
+        close()
+        units.append(OnTorch(node, counted, reason))
+        if counted:
+            reasons.append((str(node.target), reason))
+        where[node.name] = "torch"
+        tensor_slots(node)
+
     def tensor_slots(node: torch.fx.Node) -> list:
         v = values[node]
         if isinstance(v, (tuple, list)):
@@ -319,11 +323,7 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
             if not _holds_tensor(value):
                 where[node.name] = "host"     # size arithmetic: evaluated now
                 continue
-            close()
-            units.append(OnTorch(node, True, "not an aten op"))
-            reasons.append((str(target), "not an aten op"))
-            where[node.name] = "torch"
-            tensor_slots(node)
+            on_torch(node, True, "not an aten op")
             continue
         if target is aten.copy_.default and node.args[0].op == "placeholder":
             units.append(WriteBack(node))
@@ -346,25 +346,14 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
                     units.append(Draw(node, slots))
                     where[node.name] = "torch"
                 continue
-            close()
-            units.append(OnTorch(node, True, "random, reads its inputs' values"))
-            reasons.append((str(target), "random, reads its inputs' values"))
-            where[node.name] = "torch"
-            tensor_slots(node)
+            on_torch(node, True, "random, reads its inputs' values")
             continue
         if lowering is not None and torch_products and target in cost.FLOPS:
             # compute_engine="torch": products on torch's kernels, between partitions
-            close()
-            units.append(OnTorch(node, False, "compute_engine=torch"))
-            where[node.name] = "torch"
-            tensor_slots(node)
+            on_torch(node, False, "compute_engine=torch")
             continue
         if lowering is None:
-            close()
-            units.append(OnTorch(node, True, reason))
-            reasons.append((str(target), reason))
-            where[node.name] = "torch"
-            tensor_slots(node)
+            on_torch(node, True, reason)
             continue
         if lowered_op is not target and _torch_side(node.args[0], where) and _needed_by_torch(node):
             # a view of memory torch holds that leaves the graph or feeds torch: torch takes it,

@@ -39,6 +39,18 @@ class _Binding:
         self.listed = listed            # whether the foreach argument is a per-element list
         self.copy_back = False          # an out-of-place element op whose result goes into self
 
+    def element_arguments(self, values, i: int) -> tuple[list, dict]:
+        """The positional and keyword arguments of the per-element call for element ``i``,
+        from the foreach call's ``values`` (one per foreach argument, in order)."""
+        pos, kw = [], {}
+        for value, name, kwarg_only, listed in zip(values, self.names, self.kwarg_only, self.listed):
+            element = value[i] if listed else value
+            if kwarg_only:
+                kw[name] = element
+            else:
+                pos.append(element)
+        return pos, kw
+
 
 def _candidate_binding(foreach_args, candidate) -> Optional[_Binding]:
     params = candidate._schema.arguments
