@@ -14,7 +14,10 @@ pays (Dynamo's tracing, AOTAutograd, the compiler) and no candidate warms anothe
 - ``deferfuse-warm``: the same in a second process, with the disk cache the cold run filled;
 - ``deferfuse+defer``: the same compiled model (warm), with AdamW's step in a
   ``with deferfuse.defer():`` block;
-- ``side-by-side``: strict, defer mode, Inductor and deferfuse in one process, steps alternating.
+- ``side-by-side``: strict, defer mode, Inductor and deferfuse in one process, steps alternating;
+- ``rows``: bench/workloads.py's memory-bound rows (the GELU chain at 2^20 and 2^24 floats,
+  LayerNorm 4096 x 1024) as single functions, strict, Inductor and deferfuse side by side in
+  one process (forward only, no grad), the median of 30 calls after 3 that compile.
 
 The model's forward and backward are compiled; AdamW runs eagerly (one step is the zoo's
 ``train_step``: forward, backward, AdamW, zero_grad).  Each child prints its first step's wall
@@ -34,7 +37,7 @@ import tempfile
 import time
 
 CANDIDATES = ("strict", "aot_eager", "inductor", "inductor-warm", "deferfuse-cold", "deferfuse-warm",
-              "deferfuse+defer", "side-by-side")
+              "deferfuse+defer", "side-by-side", "rows")
 # side-by-side: strict, defer mode (the step in a defer block), Inductor and deferfuse (compiled,
 # warm) in one process, their steps
 # alternating, so a busy machine's load falls on all three alike; its ratios are the steady ones
@@ -73,9 +76,37 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
             "medians": medians}
 
 
+def rows() -> dict:
+    import torch
+    import deferfuse.compile
+    from bench import workloads
+    out = {}
+    for spec in (workloads.gelu_spec(20), workloads.gelu_spec(24), workloads.layer_norm_spec()):
+        inputs = spec.make_inputs()
+        lanes = {"strict": spec.torch_fn}
+        for name, backend in (("inductor", "inductor"), ("deferfuse", deferfuse.compile.backend)):
+            torch._dynamo.reset()
+            lanes[name] = torch.compile(spec.torch_fn, backend=backend, dynamic=False)
+        times: dict = {name: [] for name in lanes}
+        with torch.no_grad():
+            expected = spec.torch_fn(*inputs)
+            for k in range(33):
+                for name, fn in lanes.items():
+                    started = time.perf_counter()
+                    result = fn(*inputs)
+                    if k >= 3:
+                        times[name].append(time.perf_counter() - started)
+                    elif k == 2:
+                        torch.testing.assert_close(result, expected, rtol=spec.rtol, atol=spec.atol)
+        out[f"{spec.name} {spec.size}"] = {name: statistics.median(t) for name, t in times.items()}
+    return {"candidate": "rows", "first_s": float("nan"), "steady_s": float("nan"), "rows": out}
+
+
 def child(candidate: str, model_name: str, size: str, steps: int, warmup: int) -> dict:
     if candidate == "side-by-side":
         return side_by_side(model_name, size, steps, warmup)
+    if candidate == "rows":
+        return rows()
     import torch
     from bench import zoo_models as zoo
     model = zoo.MODELS[model_name]
@@ -148,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"{r['candidate']:<18} failed: {r['error']}")
             continue
-        if "medians" in r:
+        if "medians" in r or "rows" in r:
             continue
         ratio = f"{strict['steady_s'] / r['steady_s']:.2f}x" if strict else "-"
         print(f"{r['candidate']:<18}{r['first_s']:>14.2f}{r['steady_s'] * 1e3:>12.1f}{ratio:>11}"
@@ -161,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"inductor {m['inductor'] * 1e3:.1f} ms ({m['strict'] / m['inductor']:.2f}x), deferfuse "
                   f"{m['deferfuse'] * 1e3:.1f} ms ({m['strict'] / m['deferfuse']:.2f}x strict, "
                   f"{m['inductor'] / m['deferfuse']:.2f}x inductor)")
+    for r in results:
+        for row, m in r.get("rows", {}).items():
+            print(f"{row}: strict {m['strict'] * 1e3:.2f} ms, inductor {m['inductor'] * 1e3:.2f} ms "
+                  f"({m['strict'] / m['inductor']:.2f}x), deferfuse {m['deferfuse'] * 1e3:.2f} ms "
+                  f"({m['strict'] / m['deferfuse']:.2f}x strict)")
     if strict:
         for r in results:
             if r.get("losses") and r is not strict:
