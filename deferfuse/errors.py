@@ -48,7 +48,8 @@ class FallbackReason(enum.Enum):
     UNSUPPORTED_ALIASING = "unsupported_aliasing"  # e.g. a dtype view of a storage
     INPLACE_VIEW = "inplace_view"            # metadata-mutating op on a deferred tensor
     LOWERING_FAILED = "lowering_failed"      # a lowering raised while tracing
-    SPARSE = "sparse"                        # a tensor argument has no strided storage (sparse, ...)
+    OPAQUE = "opaque"                        # memory the storage model cannot stand for: sparse,
+                                             # nested, quantized, mkldnn, a self-dispatching subclass
 
 
 class DebugCheckError(DeferfuseError):

@@ -67,7 +67,7 @@ def _compare(program, settings=contextlib.nullcontext, *, fallback: bool = True)
         actual = program()
     assert_same(expected, _plain(actual))
     if fallback:
-        assert deferfuse.stats()["fallback_reasons"].get("sparse", 0) > 0
+        assert deferfuse.stats()["fallback_reasons"].get("opaque", 0) > 0
     return actual
 
 
@@ -183,7 +183,7 @@ def test_a_sparse_embedding_trains_as_strict(optimizers, settings):
         for p, q in zip(strict_module.parameters(), module.parameters()):
             assert_same(p, q)
             assert_same(_plain(p.grad), _plain(q.grad))
-    assert deferfuse.stats()["fallback_reasons"]["sparse"] > 0
+    assert deferfuse.stats()["fallback_reasons"]["opaque"] > 0
 
 
 # -- nested, quantized, mkldnn ---------------------------------------------------------------

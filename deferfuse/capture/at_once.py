@@ -188,7 +188,7 @@ class AtOnceMixin:
             # pending ops that read what this op overwrites must see the old data
             self.flush_all(flush_reason or FlushReason.FALLBACK)
         # (an opaque result may hold its arguments' memory: sparse_coo_tensor keeps its values)
-        exposes = info.kind not in FRESH_RESULT_KINDS or fallback_reason is FallbackReason.SPARSE
+        exposes = info.kind not in FRESH_RESULT_KINDS or fallback_reason is FallbackReason.OPAQUE
         real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK, exposes)
         out = func(*real_args, **real_kwargs)
         if written:

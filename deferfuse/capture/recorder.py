@@ -330,7 +330,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         if (info.composite_implicit or special is not None or info.kind in ACTS_BEFORE_CONVERTING) \
                 and opaque_in(args, kwargs):
             # (other kinds find an opaque argument when they convert it, before doing anything)
-            result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.SPARSE)
+            result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.OPAQUE)
             if self.pending_nodes > self.max_pending:
                 self.flush_all(FlushReason.NODE_LIMIT)
             return result
@@ -362,7 +362,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         except NoStorage:
             # an opaque argument (of a view, or found by the fast path) or result (a sparse
             # gradient from dense inputs): the storage model has nothing to say
-            result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.SPARSE)
+            result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.OPAQUE)
         if self.pending_nodes > self.max_pending:
             self.flush_all(FlushReason.NODE_LIMIT)
         return result
