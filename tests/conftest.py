@@ -73,3 +73,12 @@ def _background_compiles_end_with_their_test():
     executables = sys.modules.get("deferfuse.exec.executables")
     if executables is not None and executables.compiles_pending():
         executables.wait_for_compiles(timeout=300)
+
+
+@pytest.fixture
+def always_compile():
+    """Every flush compiled and run on XLA (no eager replay while a graph compiles): for tests of
+    a lowering's numbers rather than of the tiers (``pytestmark = usefixtures("always_compile")``)."""
+    from deferfuse import config
+    with config.override(always_compile=True):
+        yield

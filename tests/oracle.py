@@ -117,3 +117,8 @@ def ops_of(fn: Callable[..., Any], *inputs: Any) -> set:
     with _Ops() as mode:
         fn(*inputs)
     return mode.seen
+
+
+def seeded_randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """A normal sample of ``shape`` from its own seeded generator (the global one untouched)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)

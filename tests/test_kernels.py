@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 import deferfuse
 from deferfuse import config
+from oracle import seeded_randn
 from zoo_training import assert_trains_as
 from deferfuse.kernels import KernelError, pallas_interpret
 from deferfuse.kernels.examples import attention as attention_example
@@ -70,21 +71,12 @@ def combo_torch(xs, bias, axis, *, alpha=2.0, flip=False):
 
 MODES = {"strict": contextlib.nullcontext, "defer": deferfuse.defer, "debug": deferfuse.debug}
 
-
-@pytest.fixture(autouse=True)
-def _always_compile():
-    with config.override(always_compile=True):
-        yield
-
-
-def _inputs(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=dtype)
+pytestmark = pytest.mark.usefixtures("always_compile")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_op_equals_torch_in_every_mode(mode):
-    x, y = _inputs(4, 8), _inputs(4, 8, seed=1)
+    x, y = seeded_randn(4, 8), seeded_randn(4, 8, seed=1)
     with MODES[mode]():
         out = gated(x, y, 0.5)
         via_ops = torch.ops.test_kernels.gated(x, y, 0.25)
@@ -95,7 +87,7 @@ def test_op_equals_torch_in_every_mode(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_lists_optional_tensors_and_keyword_arguments_with_gradients(mode):
-    a, b, c = (_inputs(3, 4, dtype=torch.float64, seed=i).requires_grad_() for i in range(3))
+    a, b, c = (seeded_randn(3, 4, dtype=torch.float64, seed=i).requires_grad_() for i in range(3))
     strict = [t.detach().clone().requires_grad_() for t in (a, b, c)]
     want = combo_torch(strict[:2], strict[2], 0, alpha=1.5, flip=True)
     want.sin().sum().backward()
@@ -110,7 +102,7 @@ def test_lists_optional_tensors_and_keyword_arguments_with_gradients(mode):
 
 
 def test_float64_and_int64_keep_their_dtypes():
-    x = _inputs(3, 5, dtype=torch.float64)
+    x = seeded_randn(3, 5, dtype=torch.float64)
     out = gated(x, x, 0.5)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, gated_torch(x, x, 0.5), rtol=1e-12, atol=1e-12)
@@ -127,7 +119,7 @@ def twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_results_never_alias_the_inputs_or_each_other():
-    x = _inputs(6)
+    x = seeded_randn(6)
     first, second = twice(x)
     assert len({x.data_ptr(), first.data_ptr(), second.data_ptr()}) == 3
     first.add_(1)
@@ -147,31 +139,31 @@ def test_fake_and_meta_tensors_never_run_the_kernel():
 
 @pytest.mark.parametrize("case", ["gated", "rmsnorm", "top2", "attention", "combo"])
 def test_opcheck(case):
-    x = _inputs(2, 4, 8, 16).requires_grad_()
+    x = seeded_randn(2, 4, 8, 16).requires_grad_()
     if case == "gated":
-        op, args = gated.op, (x, _inputs(2, 4, 8, 16, seed=1), 0.5)
+        op, args = gated.op, (x, seeded_randn(2, 4, 8, 16, seed=1), 0.5)
     elif case == "rmsnorm":
-        op, args = rmsnorm_example.rmsnorm.op, (x, _inputs(16, seed=1).requires_grad_(), 1e-5)
+        op, args = rmsnorm_example.rmsnorm.op, (x, seeded_randn(16, seed=1).requires_grad_(), 1e-5)
     elif case == "top2":
         op, args = top2_example.top2.op, (x,)
     elif case == "combo":
-        op, args = combo.op, ([x, _inputs(2, 4, 8, 16, seed=1)], _inputs(16, seed=2), 1)
+        op, args = combo.op, ([x, seeded_randn(2, 4, 8, 16, seed=1)], seeded_randn(16, seed=2), 1)
     else:
-        op, args = attention_example.attention.op, (x, _inputs(2, 2, 8, 16, seed=1), _inputs(2, 2, 8, 16, seed=2),
+        op, args = attention_example.attention.op, (x, seeded_randn(2, 2, 8, 16, seed=1), seeded_randn(2, 2, 8, 16, seed=2),
                                                     None, 0.3, True)
     results = torch.library.opcheck(op, args)
     assert set(results.values()) == {"SUCCESS"}, results
 
 
 def test_gradcheck_float64_through_jax_vjp_and_through_bwd():
-    x, y = _inputs(3, 4, dtype=torch.float64).requires_grad_(), _inputs(3, 4, dtype=torch.float64, seed=1).requires_grad_()
+    x, y = seeded_randn(3, 4, dtype=torch.float64).requires_grad_(), seeded_randn(3, 4, dtype=torch.float64, seed=1).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: gated(a, b, 0.7), (x, y))
-    w = _inputs(4, dtype=torch.float64, seed=2).requires_grad_()
+    w = seeded_randn(4, dtype=torch.float64, seed=2).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: rmsnorm_example.rmsnorm(a, b, 1e-5), (x, w))
 
 
 def test_sin_op_add_sum_is_one_xla_execution_with_no_fallback():
-    x, y = _inputs(16, 32), _inputs(16, 32, seed=1)
+    x, y = seeded_randn(16, 32), seeded_randn(16, 32, seed=1)
     deferfuse.reset_stats()
     with deferfuse.defer():
         total = (gated(torch.sin(x), y, 0.5) + 1).sum()
@@ -181,14 +173,14 @@ def test_sin_op_add_sum_is_one_xla_execution_with_no_fallback():
 
 
 def test_a_changing_float_is_a_runtime_scalar_and_static_argnames_compile_in():
-    x, y = _inputs(8, 8), _inputs(8, 8, seed=1)
+    x, y = seeded_randn(8, 8), seeded_randn(8, 8, seed=1)
     deferfuse.reset_stats()
     for scale in (0.5, 1.5, -2.0):
         with deferfuse.defer():
             out = (gated(x, y, scale) + 1).sum()
         torch.testing.assert_close(out, (gated_torch(x, y, scale) + 1).sum())
     assert deferfuse.stats()["compiles"] == 1
-    w = _inputs(8, seed=2)
+    w = seeded_randn(8, seed=2)
     deferfuse.reset_stats()
     for eps in (1e-5, 1e-5, 1e-2):
         with deferfuse.defer():
@@ -199,8 +191,8 @@ def test_a_changing_float_is_a_runtime_scalar_and_static_argnames_compile_in():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_training_step_gradients_equal_torch(mode):
-    x, y = _inputs(6, 16).requires_grad_(), _inputs(6, 16, seed=1).requires_grad_()
-    w = _inputs(16, seed=2).requires_grad_()
+    x, y = seeded_randn(6, 16).requires_grad_(), seeded_randn(6, 16, seed=1).requires_grad_()
+    w = seeded_randn(16, seed=2).requires_grad_()
 
     def step(kernel_gated, kernel_rmsnorm, x, y, w):
         loss = kernel_rmsnorm(kernel_gated(torch.tanh(x), y, 0.5), w, 1e-5).square().mean()
@@ -221,7 +213,7 @@ def test_training_step_gradients_equal_torch(mode):
 
 def test_with_the_user_defaults_every_tier_runs_the_kernel(user_defaults):
     """First sightings at once, eager replays while compiling, then compiled: each runs the op."""
-    x, y, w = _inputs(6, 16).requires_grad_(), _inputs(6, 16, seed=1), _inputs(16, seed=2)
+    x, y, w = seeded_randn(6, 16).requires_grad_(), seeded_randn(6, 16, seed=1), seeded_randn(16, seed=2)
     for call in user_defaults.calls(5):
         x.grad = None
         with deferfuse.defer():
@@ -240,7 +232,7 @@ def test_with_the_user_defaults_every_tier_runs_the_kernel(user_defaults):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_two_outputs_one_integer(mode):
-    x = _inputs(5, 12).requires_grad_()
+    x = seeded_randn(5, 12).requires_grad_()
     with MODES[mode]():
         values, indices = top2_example.top2(x * 3)
         (values.sin().sum()).backward()
@@ -256,7 +248,7 @@ def test_two_outputs_one_integer(mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ["the kernel's own check", "JAX's shape check"])
 def test_bad_input_names_the_op_and_the_line_and_leaves_nothing_pending(mode, case):
-    x = _inputs(4, 8)
+    x = seeded_randn(4, 8)
     with MODES[mode]():
         before = x * 2
         if case == "the kernel's own check":
@@ -265,7 +257,7 @@ def test_bad_input_names_the_op_and_the_line_and_leaves_nothing_pending(mode, ca
             name = "deferfuse_examples::rmsnorm"
         else:
             with pytest.raises(TypeError) as error:
-                gated(before, _inputs(3, 8), 0.5)
+                gated(before, seeded_randn(3, 8), 0.5)
             name = "test_kernels::gated"
         after = before + 1
     text = str(error.value) + " ".join(getattr(error.value, "__notes__", ()))
@@ -275,7 +267,7 @@ def test_bad_input_names_the_op_and_the_line_and_leaves_nothing_pending(mode, ca
 
 @pytest.mark.parametrize("mode", MODES)
 def test_pallas_without_bwd_raises_at_backward_naming_the_op(mode):
-    x = _inputs(8, 8).requires_grad_()
+    x = seeded_randn(8, 8).requires_grad_()
     with MODES[mode]():
         out = pallas_double(x)
         torch.testing.assert_close(out, x * 2)
@@ -291,8 +283,8 @@ def test_debug_mode_checks_the_kernel_outputs_for_nans():
 
 
 def test_jax_attention_drops_in_for_sdpa():
-    q, k, v = _inputs(2, 4, 8, 16), _inputs(2, 2, 8, 16, seed=1), _inputs(2, 2, 8, 16, seed=2)
-    mask = _inputs(2, 1, 8, 8, seed=3) > -0.5
+    q, k, v = seeded_randn(2, 4, 8, 16), seeded_randn(2, 2, 8, 16, seed=1), seeded_randn(2, 2, 8, 16, seed=2)
+    mask = seeded_randn(2, 1, 8, 8, seed=3) > -0.5
     for kwargs, args in [(dict(is_causal=True), (None, None, True)), (dict(attn_mask=mask, scale=0.3), (mask, 0.3))]:
         want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
         for mode in MODES.values():
@@ -317,7 +309,7 @@ def test_torch_compile_treats_the_op_as_an_opaque_custom_op():
                             backend="aot_eager")
     compiled_loss = torch.compile(lambda x, y, w: rmsnorm_example.rmsnorm(gated(x.sin(), y, 0.5), w, 1e-5),
                                   backend="aot_eager", fullgraph=True)
-    x, y, w = _inputs(4, 8).requires_grad_(), _inputs(4, 8, seed=1), _inputs(8, seed=2).requires_grad_()
+    x, y, w = seeded_randn(4, 8).requires_grad_(), seeded_randn(4, 8, seed=1), seeded_randn(8, seed=2).requires_grad_()
     strict = [x.detach().clone().requires_grad_(), y, w.detach().clone().requires_grad_()]
     want = step(gated_torch, rmsnorm_example.rmsnorm_reference, *strict)
     torch.testing.assert_close(forward(x, y, w), want)
@@ -336,7 +328,7 @@ def test_backend_deferfuse_inlines_the_op_into_one_xla_computation_per_graph():
     torch._dynamo.reset()
     deferfuse.reset_stats()
     compiled = torch.compile(lambda x, y: loss_of(gated, x, y), backend="deferfuse", fullgraph=True)
-    x, y = _inputs(4, 8).requires_grad_(), _inputs(4, 8, seed=1)
+    x, y = seeded_randn(4, 8).requires_grad_(), seeded_randn(4, 8, seed=1)
     strict_x = x.detach().clone().requires_grad_()
     loss = compiled(x, y)
     loss.backward()

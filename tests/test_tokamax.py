@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import deferfuse
-from deferfuse import config
 from deferfuse.kernels import tokamax as tk
+from oracle import seeded_randn
 from zoo_training import assert_trains_as
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,16 +29,7 @@ needs_tokamax = pytest.mark.skipif(not HAVE_TOKAMAX, reason="tokamax is not inst
 
 MODES = {"strict": contextlib.nullcontext, "defer": deferfuse.defer}
 
-
-@pytest.fixture(autouse=True)
-def _always_compile():
-    with config.override(always_compile=True):
-        yield
-
-
-def _inputs(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=dtype)
+pytestmark = pytest.mark.usefixtures("always_compile")
 
 
 def _compare(mode, op, reference, args, kwargs=None, rtol=1e-5, atol=1e-5):
@@ -52,7 +43,7 @@ def _compare(mode, op, reference, args, kwargs=None, rtol=1e-5, atol=1e-5):
 
     want_args = leaves()
     want = reference(*want_args, **kwargs)
-    weight = _inputs(*want.shape, seed=99).to(want.dtype)
+    weight = seeded_randn(*want.shape, seed=99).to(want.dtype)
     (want * weight).sum().backward()
     got_args = leaves()
     deferfuse.reset_stats()
@@ -135,9 +126,9 @@ def lce_torch(x, labels, weights, *, reduction="sum"):
 @needs_tokamax
 @pytest.mark.parametrize("mode", MODES)
 def test_dot_product_attention_equals_torch(mode):
-    q, k, v = _inputs(2, 8, 4, 16), _inputs(2, 8, 2, 16, seed=1), _inputs(2, 8, 2, 16, seed=2)
+    q, k, v = seeded_randn(2, 8, 4, 16), seeded_randn(2, 8, 2, 16, seed=1), seeded_randn(2, 8, 2, 16, seed=2)
     _compare(mode, tk.dot_product_attention, attention_torch, (q, k, v), dict(is_causal=True))
-    bias, mask = _inputs(2, 1, 8, 8, seed=3), _inputs(2, 4, 8, 8, seed=4) > -1
+    bias, mask = seeded_randn(2, 1, 8, 8, seed=3), seeded_randn(2, 4, 8, 8, seed=4) > -1
     lengths = torch.tensor([8, 5])
     _compare(mode, tk.dot_product_attention, attention_torch, (q, k, v, bias, mask, None, lengths),
              dict(scale=0.3, logits_soft_cap=5.0))
@@ -149,17 +140,17 @@ def test_dot_product_attention_equals_torch(mode):
 @needs_tokamax
 @pytest.mark.parametrize("mode", MODES)
 def test_layer_norm_and_rms_norm_equal_torch(mode):
-    x, scale, offset = _inputs(3, 5, 16), _inputs(16, seed=1), _inputs(16, seed=2)
+    x, scale, offset = seeded_randn(3, 5, 16), seeded_randn(16, seed=1), seeded_randn(16, seed=2)
     _compare(mode, tk.layer_norm, layer_norm_torch, (x, scale, offset), dict(epsilon=1e-5))
     _compare(mode, tk.layer_norm, layer_norm_torch, (x, scale, None),
              dict(subtract_mean=False, scale_offset=1.0))
-    _compare(mode, tk.layer_norm, layer_norm_torch, (x, _inputs(5, seed=3), None), dict(axis=1))
+    _compare(mode, tk.layer_norm, layer_norm_torch, (x, seeded_randn(5, seed=3), None), dict(axis=1))
 
 
 @needs_tokamax
 @pytest.mark.parametrize("mode", MODES)
 def test_gated_linear_unit_equals_torch(mode):
-    x, weights = _inputs(2, 6, 16), _inputs(16, 2, 8, seed=1)
+    x, weights = seeded_randn(2, 6, 16), seeded_randn(16, 2, 8, seed=1)
     for activation in ("silu", "gelu", None):
         _compare(mode, tk.gated_linear_unit, glu_torch, (x, weights), dict(activation=activation))
     _compare(mode, lambda *a: tk.gated_linear_unit(*a, activation="relu", precision="highest"),
@@ -169,7 +160,7 @@ def test_gated_linear_unit_equals_torch(mode):
 @needs_tokamax
 @pytest.mark.parametrize("mode", MODES)
 def test_ragged_dot_equals_torch(mode):
-    lhs, rhs = _inputs(12, 16), _inputs(3, 16, 8, seed=1)
+    lhs, rhs = seeded_randn(12, 16), seeded_randn(3, 16, 8, seed=1)
     for sizes in ([3, 0, 7], [4, 4, 4]):       # rows past the groups' sum are zero
         _compare(mode, tk.ragged_dot, ragged_dot_torch, (lhs, rhs, torch.tensor(sizes)))
     with MODES[mode]():
@@ -181,7 +172,7 @@ def test_ragged_dot_equals_torch(mode):
 @needs_tokamax
 @pytest.mark.parametrize("mode", MODES)
 def test_linear_softmax_cross_entropy_loss_equals_torch(mode):
-    x, weights, labels = _inputs(10, 16), _inputs(16, 11, seed=1), torch.arange(10) % 11
+    x, weights, labels = seeded_randn(10, 16), seeded_randn(16, 11, seed=1), torch.arange(10) % 11
     for reduction in ("sum", "mean"):
         _compare(mode, tk.linear_softmax_cross_entropy_loss, lce_torch, (x, labels, weights),
                  dict(reduction=reduction), rtol=1e-4)
@@ -189,7 +180,7 @@ def test_linear_softmax_cross_entropy_loss_equals_torch(mode):
 
 @needs_tokamax
 def test_sin_layer_norm_add_sum_is_one_xla_execution_with_no_fallback():
-    x, scale = _inputs(16, 32), _inputs(32, seed=1)
+    x, scale = seeded_randn(16, 32), seeded_randn(32, seed=1)
     deferfuse.reset_stats()
     with deferfuse.defer():
         total = (tk.layer_norm(torch.sin(x), scale, None) + 1).sum()
@@ -200,14 +191,14 @@ def test_sin_layer_norm_add_sum_is_one_xla_execution_with_no_fallback():
 
 @needs_tokamax
 def test_opcheck_passes_for_every_op():
-    x = _inputs(4, 16).requires_grad_()
-    q, k = _inputs(1, 4, 2, 8).requires_grad_(), _inputs(1, 4, 1, 8, seed=1).requires_grad_()
+    x = seeded_randn(4, 16).requires_grad_()
+    q, k = seeded_randn(1, 4, 2, 8).requires_grad_(), seeded_randn(1, 4, 1, 8, seed=1).requires_grad_()
     calls = [
         (tk.dot_product_attention, (q, k, k), {"is_causal": True}),
-        (tk.layer_norm, (x, _inputs(16, seed=1).requires_grad_(), None), {}),
-        (tk.gated_linear_unit, (x, _inputs(16, 2, 8, seed=1).requires_grad_()), {"activation": "silu"}),
-        (tk.ragged_dot, (x, _inputs(3, 16, 8, seed=1).requires_grad_(), torch.tensor([1, 2, 1])), {}),
-        (tk.linear_softmax_cross_entropy_loss, (x, torch.tensor([0, 3, 1, 2]), _inputs(16, 5, seed=1)), {}),
+        (tk.layer_norm, (x, seeded_randn(16, seed=1).requires_grad_(), None), {}),
+        (tk.gated_linear_unit, (x, seeded_randn(16, 2, 8, seed=1).requires_grad_()), {"activation": "silu"}),
+        (tk.ragged_dot, (x, seeded_randn(3, 16, 8, seed=1).requires_grad_(), torch.tensor([1, 2, 1])), {}),
+        (tk.linear_softmax_cross_entropy_loss, (x, torch.tensor([0, 3, 1, 2]), seeded_randn(16, 5, seed=1)), {}),
     ]
     for op, args, kwargs in calls:
         assert set(torch.library.opcheck(op.op, args, kwargs).values()) == {"SUCCESS"}, op
@@ -216,7 +207,7 @@ def test_opcheck_passes_for_every_op():
 @needs_tokamax
 @pytest.mark.parametrize("mode", MODES)
 def test_bad_input_names_the_op_and_leaves_nothing_pending(mode):
-    x, weights = _inputs(2, 16), _inputs(16, 2, 8, seed=1)
+    x, weights = seeded_randn(2, 16), seeded_randn(16, 2, 8, seed=1)
     with MODES[mode]():
         with pytest.raises(ValueError, match=r"tokamax::gated_linear_unit.*unknown activation 'nope'.*silu"):
             tk.gated_linear_unit(x, weights, activation="nope")
@@ -228,8 +219,8 @@ def test_bad_input_names_the_op_and_leaves_nothing_pending(mode):
 
 @needs_tokamax
 def test_hf_attention_takes_boolean_and_additive_masks_as_sdpa():
-    q, k, v = _inputs(2, 4, 6, 8), _inputs(2, 2, 6, 8, seed=1), _inputs(2, 2, 6, 8, seed=2)   # SDPA's layout
-    keep = _inputs(2, 1, 6, 6, seed=3) > -0.5
+    q, k, v = seeded_randn(2, 4, 6, 8), seeded_randn(2, 2, 6, 8, seed=1), seeded_randn(2, 2, 6, 8, seed=2)   # SDPA's layout
+    keep = seeded_randn(2, 1, 6, 6, seed=3) > -0.5
     additive = torch.zeros(2, 1, 6, 6).masked_fill(~keep, torch.finfo(torch.float32).min)
     module = torch.nn.Module()
     for mask, causal in ((keep, None), (additive, None), (None, True)):
@@ -264,4 +255,4 @@ def test_a_missing_tokamax_says_how_to_install_it(monkeypatch):
         tk.register_with_transformers("tokamax_missing")
     for mode in MODES.values():
         with mode(), pytest.raises(ImportError, match=r"tokamax::layer_norm.*pip install 'deferfuse\[tokamax\]'"):
-            tk.layer_norm(_inputs(3, 7, seed=5), None, None, epsilon=0.125)   # (a shape and eps no test traced)
+            tk.layer_norm(seeded_randn(3, 7, seed=5), None, None, epsilon=0.125)   # (a shape and eps no test traced)
