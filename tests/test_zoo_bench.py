@@ -34,3 +34,26 @@ def test_zoo_bench_writes_equal_results_and_a_chart(tmp_path, capsys):
     assert results["models"]["resnet"]["generation"] is None
     assert results["machine"]["torch"]
     assert path.with_suffix(".png").is_file()
+
+
+
+def test_engine_time_splits_each_deferred_step_into_parts_that_add_up(always_compile):
+    """bench/engine_time.py on the tiny Llama: each deferred step's parts add up to its time,
+    XLA ran (compiled at once: ``always_compile``), and the engine's entry points are put back
+    afterwards."""
+    import argparse
+    import math
+
+    from bench import engine_time
+    from deferfuse import engine
+    from deferfuse.exec import runner
+    entry_points = (engine.execute, runner.execute_xla)
+    args = argparse.Namespace(model="llama", size="tiny", steps=2, engine="xla")
+    with engine_time.engine_timers() as timers:
+        split = engine_time.measure(args, timers)
+    assert (engine.execute, runner.execute_xla) == entry_points
+    assert split["ops_recorded"] > 0 and split["executions"] >= 1
+    for step in split["steps"]:
+        assert step["xla"] > 0 and step["record"] > 0
+        assert all(step[part] >= 0 for part in engine_time.PARTS), step
+    assert all(math.isfinite(split[part]) for part in engine_time.PARTS)
