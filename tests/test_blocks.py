@@ -466,3 +466,21 @@ def test_forget_measures_a_remembered_place_again_in_the_same_process(tier, tmp_
         assert len(list((tmp_path / "blocks").iterdir())) == 1
         blocks.forget()
         assert type(run()) is DeferredTensor and _only_place().phase is not Phase.AT_ONCE
+
+
+def test_a_remembered_choice_is_rechecked_as_seldom_and_watched_against_its_own_runs():
+    choice = blocks.BlockChoice("here:5")
+    assert not choice.remember({"phase": "at once", "deferred": [1.0], "at_once": "x", "unsteady": 0})
+    assert choice.phase is Phase.MEASURE_DEFERRED
+    assert choice.remember({"phase": "at once", "deferred": [1.0] * 5, "at_once": [0.25] * 5,
+                            "unsteady": 0, "recheck": 4 * blocks.FIRST_RECHECK})
+    assert choice.phase is Phase.AT_ONCE and choice.remembered and choice.runs_at_once
+    assert choice.recheck == 4 * blocks.FIRST_RECHECK and choice.median is None
+    # this process's first runs, slower than the earlier process's 0.25 s, set its median ...
+    for _ in range(blocks.UNSTEADY_UNTIMED + blocks.SAMPLES):
+        choice.finished(2.0, True)
+    assert choice.phase is Phase.AT_ONCE and choice.median == 2.0
+    # ... and runs far off it twice in a row measure again
+    choice.finished(9.0, True)
+    choice.finished(9.0, True)
+    assert choice.phase is Phase.MEASURE_DEFERRED and not choice.remembered

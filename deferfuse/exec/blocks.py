@@ -44,8 +44,10 @@ choice and its times; ``stats()["blocks_run_at_once"]`` counts the runs.
 ``save_choice``), keyed by the ``with`` line, its function's bytecode, deferfuse's sources,
 torch's version, the CPU and the settings.  A later process starts the place from it (once per
 place per process: ``forget()`` still makes places measure again), its times included, and
-checks it after FIRST_RECHECK runs as any choice; a block that changed meanwhile (other shapes,
-a helper edited) shows as drift and measures again.  This is what a warm start of a block that
+checks it when it would have been checked in that process (after FIRST_RECHECK runs, or as
+many more as the choice held at rechecks: a recheck costs what a first deferred run costs,
+imports included); a block that changed meanwhile (other shapes, a helper edited) shows as
+drift against this process's own runs and measures again.  This is what a warm start of a block that
 runs at once needs: its first runs are strict's, with no JAX imported, no executable loaded and
 no deferred run that records, loads and replays (bench/warm_start.py: ~0.66 s over 20 calls
 before).  The setting ``remember_blocks`` (on by default) turns it off, as ``cache_dir=""`` does.
@@ -173,10 +175,11 @@ class BlockChoice:
             elif steady and self.remembered and self.median is None:
                 # a remembered choice is watched for drift against this process's own runs: an
                 # earlier process's times may not hold here (its allocator tuned by XLA's
-                # start, say), and a process's first runs are slower, in strict too
+                # start, say); and a process's first runs are slower, in strict too (6, 3, 2,
+                # then 1-2 ms in bench/warm_start.py): the first UNSTEADY_UNTIMED are skipped
                 self.own.append(seconds)
-                if len(self.own) >= SAMPLES:
-                    self.median = _median(self.own)
+                if len(self.own) >= UNSTEADY_UNTIMED + SAMPLES:
+                    self.median = _median(self.own[UNSTEADY_UNTIMED:])
             elif steady:
                 self._watch_for_drift(seconds)
 
@@ -211,7 +214,7 @@ class BlockChoice:
         if save and self.disk_place is not None and self.deferred and config.get("remember_blocks"):
             diskcache.save_choice(self.disk_place, {
                 "phase": phase.value, "deferred": self.deferred, "at_once": self.at_once,
-                "unsteady": self.unsteady})
+                "unsteady": self.unsteady, "recheck": self.recheck})
         if log.isEnabledFor(logging.DEBUG):
             log.debug("block at %s: %s", self.place, self.describe())
 
@@ -229,6 +232,9 @@ class BlockChoice:
         self.deferred, self.at_once, self.unsteady = list(deferred), list(at_once), unsteady
         self._choose(phase, save=False)
         self.median = None   # (set from this process's first runs: see finished())
+        recheck = record.get("recheck")
+        if isinstance(recheck, int):   # (a choice that held at its rechecks: checked as seldom)
+            self.recheck = min(max(recheck, FIRST_RECHECK), LAST_RECHECK)
         return True
 
     def _watch_for_drift(self, seconds: float) -> None:
