@@ -441,6 +441,14 @@ def test_a_later_process_starts_a_place_from_its_remembered_choice(tmp_path):
     assert off["phase"] == "measuring deferred" and off["stats"]["blocks_run_at_once"] == 0
 
 
+def test_a_process_too_short_to_choose_leaves_its_runs_to_the_next(tmp_path):
+    first = _remembering(tmp_path, 8)   # (too few runs to time five each way)
+    assert first["phase"].startswith("measuring")
+    second = _remembering(tmp_path, 8)
+    assert second["phase"] == "at once" and "medians of 5 and 5 runs" in second["explain"]
+    assert all(close for _, _, close in second["plain_equal_close"])
+
+
 def test_a_damaged_remembered_choice_is_ignored(tmp_path):
     _remembering(tmp_path, 16)
     [record] = (tmp_path / "cache" / "blocks").iterdir()

@@ -47,10 +47,12 @@ place per process: ``forget()`` still makes places measure again), its times inc
 checks it when it would have been checked in that process (after FIRST_RECHECK runs, or as
 many more as the choice held at rechecks: a recheck costs what a first deferred run costs,
 imports included); a block that changed meanwhile (other shapes, a helper edited) shows as
-drift against this process's own runs and measures again.  This is what a warm start of a block that
-runs at once needs: its first runs are strict's, with no JAX imported, no executable loaded and
-no deferred run that records, loads and replays (bench/warm_start.py: ~0.66 s over 20 calls
-before).  The setting ``remember_blocks`` (on by default) turns it off, as ``cache_dir=""`` does.
+drift against this process's own runs and measures again.  A first measurement is kept as it
+goes too (a small file written after each timed run, ~0.35 ms), so that a process that ran the block too
+few times to choose leaves its timed runs to the next one, which times the rest.  This is what
+a warm start of a block that runs at once needs: its first runs are strict's, with no JAX
+imported, no executable loaded and no deferred run that records, loads and replays
+(bench/warm_start.py: 0.64 s over strict's 20 calls before, 0.002 s after).  The setting ``remember_blocks`` (on by default) turns it off, as ``cache_dir=""`` does.
 
 Only an outermost defer block is chosen for (not one inside another defer or debug block, nor
 under ``TORCHTPU_MODE=defer``, whose work ``Segments`` below times), and not with
@@ -83,6 +85,7 @@ DRIFT_FLOOR = 2e-4      # ... and this many seconds off it (a 0.1 ms block jitte
 _MAX_PLACES = 4096      # the table is emptied past this many places
 
 clock = time.perf_counter   # (tests drive the tier with a fake clock)
+MEASURING = "measuring"     # a remembered record's phase while its place had not chosen yet
 
 
 class Phase(enum.Enum):
@@ -197,6 +200,11 @@ class BlockChoice:
                 self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
                 return
         self.phase = Phase.MEASURE_AT_ONCE if n < len(deferred) else Phase.MEASURE_DEFERRED
+        if self.last is None:
+            # a first measurement (not a recheck of a choice, which stays on record meanwhile):
+            # kept as it goes, so that a process running the block too few times to choose
+            # leaves its runs to the next one (a script run again and again, 10 calls each)
+            self._save(MEASURING)
 
     def _choose(self, phase: Phase, save: bool = True) -> None:
         # a choice that held when measured again is checked half as often
@@ -211,24 +219,38 @@ class BlockChoice:
         self.outliers = 0
         self.choices += 1
         self.remembered = not save
-        if save and self.disk_place is not None and self.deferred and config.get("remember_blocks"):
-            diskcache.save_choice(self.disk_place, {
-                "phase": phase.value, "deferred": self.deferred, "at_once": self.at_once,
-                "unsteady": self.unsteady, "recheck": self.recheck})
+        if save and self.deferred:
+            self._save(phase.value)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("block at %s: %s", self.place, self.describe())
 
+    def _save(self, phase: str) -> None:
+        if self.disk_place is not None and config.get("remember_blocks"):
+            diskcache.save_choice(self.disk_place, {
+                "phase": phase, "deferred": self.deferred, "at_once": self.at_once,
+                "unsteady": self.unsteady, "recheck": self.recheck})
+
     def remember(self, record: dict) -> bool:
-        """Start from ``record``, a choice an earlier process saved for this place; False (and
-        nothing changed) when the record does not hold one."""
-        phase = {Phase.AT_ONCE.value: Phase.AT_ONCE, Phase.DEFERRED.value: Phase.DEFERRED}.get(
-            record.get("phase"))
+        """Start from ``record``, a choice an earlier process saved for this place, or the runs
+        it timed before it could choose; False (and nothing changed) when the record holds
+        neither."""
+        phase = {Phase.AT_ONCE.value: Phase.AT_ONCE, Phase.DEFERRED.value: Phase.DEFERRED,
+                 MEASURING: None}.get(record.get("phase"), False)
         deferred, at_once, unsteady = record.get("deferred"), record.get("at_once"), record.get("unsteady")
-        if phase is None or not isinstance(unsteady, int) or not all(
-                isinstance(samples, list) and samples
+        if phase is False or not isinstance(unsteady, int) or not all(
+                isinstance(samples, list) and (samples or phase is None)
+                and len(samples) <= MAX_SAMPLES
                 and all(isinstance(x, float) and x >= 0 for x in samples)
                 for samples in (deferred, at_once)):
             return False
+        if phase is None:
+            # runs timed before the earlier process could choose: this one times the rest
+            # (its own unsteady runs counted afresh: first sightings and loads are per process)
+            if len(at_once) not in (len(deferred), len(deferred) - 1):
+                return False
+            self.deferred, self.at_once = list(deferred), list(at_once)
+            self.phase = Phase.MEASURE_AT_ONCE if len(at_once) < len(deferred) else Phase.MEASURE_DEFERRED
+            return True
         self.deferred, self.at_once, self.unsteady = list(deferred), list(at_once), unsteady
         self._choose(phase, save=False)
         self.median = None   # (set from this process's first runs: see finished())
