@@ -317,6 +317,8 @@ def choice_at(frame: Any) -> BlockChoice:
         found = BlockChoice(f"{code.co_filename}:{frame.f_lineno}", disk_place)
         if key not in _LOOKED_UP and config.get("remember_blocks"):
             # (once per process: forget() makes places measure again)
+            if len(_LOOKED_UP) >= _MAX_PLACES:
+                _LOOKED_UP.clear()   # (it holds code objects: bounded as the table is)
             _LOOKED_UP.add(key)
             record = diskcache.load_choice(disk_place)
             if record is not None:
