@@ -48,11 +48,12 @@ checks it when it would have been checked in that process (after FIRST_RECHECK r
 many more as the choice held at rechecks: a recheck costs what a first deferred run costs,
 imports included); a block that changed meanwhile (other shapes, a helper edited) shows as
 drift against this process's own runs and measures again.  A first measurement is kept as it
-goes too (a small file written after each timed run, ~0.35 ms), so that a process that ran the block too
-few times to choose leaves its timed runs to the next one, which times the rest.  This is what
-a warm start of a block that runs at once needs: its first runs are strict's, with no JAX
-imported, no executable loaded and no deferred run that records, loads and replays
-(bench/warm_start.py: 0.64 s over strict's 20 calls before, 0.002 s after).  The setting ``remember_blocks`` (on by default) turns it off, as ``cache_dir=""`` does.
+goes too (a small file written after each timed run, ~0.35 ms), so that a process that ran the
+block too few times to choose leaves its timed runs to the next one, which times the rest.
+This is what a warm start of a block that runs at once needs: its first runs are strict's, with
+no JAX imported, no executable loaded and no deferred run that records, loads and replays
+(bench/warm_start.py: 0.64 s over strict's 20 calls before, 0.002 s after).  The setting
+``remember_blocks`` (on by default) turns it off, as ``cache_dir=""`` does.
 
 Only an outermost defer block is chosen for (not one inside another defer or debug block, nor
 under ``TORCHTPU_MODE=defer``, whose work ``Segments`` below times), and not with

@@ -433,7 +433,7 @@ def load_choice(place: str) -> Optional[dict]:
         record = json.loads(data)
         if not isinstance(record, dict) or record.get("place") != place:
             raise ValueError("not a block choice for this place")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:   # (not JSON, not UTF-8, nested too deep)
         _error(ErrorKind.UNREADABLE, "ignoring %s (%s); measuring the block again", path, exc)
         return None
     return record
