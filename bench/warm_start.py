@@ -4,12 +4,16 @@
 
 A LayerNorm -> GELU -> residual block over 512 x 2048 floats, called ``--calls`` times in a
 fresh interpreter (each call reads its result with ``.item()``), under strict and under
-``with deferfuse.defer():``.  One untimed defer process first fills a private disk cache; then
-strict and defer processes alternate ``--runs`` times, all on that warm cache.  Reported per
-run: the import of torch and deferfuse, each call's time, and the sum of the calls; the
-question is how much more than strict the defer process spends before it reaches its steady
-state (issue 24: at most 0.3 s over 20 calls).  Where the extra time goes, call by call:
-``python -X importtime`` on the same child (``--child defer``) shows the imports.
+``with deferfuse.defer():``.  One untimed defer process first fills a private disk cache (it
+runs the block ``FILL_CALLS`` times, enough for the block tier to choose: the cache then holds
+the executable and the tier's choice, remember_blocks); then strict and defer processes
+alternate ``--runs`` times, all on that warm cache.  Reported per run: the import of torch and
+deferfuse, each call's time, and the sum of the calls; the question is how much more than
+strict the defer process spends before it reaches its steady state (issue 24: at most 0.3 s
+over 20 calls).  ``--every-call-deferred`` runs the defer processes (the filling one too) with
+the block tier off (eager_blocks=0): the warm start of a block that runs deferred.  Where the
+extra time goes, call by call: ``python -X importtime`` on the same child (``--child defer``)
+shows the imports.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+FILL_CALLS = 60   # calls of the untimed process filling the cache: the block tier chooses by then
 
 
 def child(mode: str, calls: int) -> dict:
@@ -58,13 +64,17 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--every-call-deferred", action="store_true",
+                        help="the block tier off in the defer processes (eager_blocks=0)")
     parser.add_argument("--child", choices=("strict", "defer"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.calls)))
         return 0
     env = dict(os.environ, DEFERFUSE_CACHE_DIR=tempfile.mkdtemp(prefix="deferfuse-warm-start-"))
-    _run("defer", args.calls, env)   # fills the disk cache
+    if args.every_call_deferred:
+        env["DEFERFUSE_EAGER_BLOCKS"] = "0"
+    _run("defer", max(args.calls, FILL_CALLS), env)   # fills the disk cache
     extra = []
     for run in range(args.runs):
         strict, defer = _run("strict", args.calls, env), _run("defer", args.calls, env)

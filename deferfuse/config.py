@@ -126,6 +126,10 @@ _declare("eager_segments", bool, True,
          "block marks the work, time what runs between two reads of a value (`.item()`, "
          "`bool()`) by the place of the read that starts it, deferred against at once, and run "
          "it the faster way, as eager_blocks does for `with` blocks.  always_compile overrides.")
+_declare("remember_blocks", bool, True,
+         "Keep eager_blocks' choice for each place in the disk cache (cache_dir) and start a "
+         "later process's place from it, checked again as any choice: a warm start runs a block "
+         "that chose at once as strict from its first call.  See deferfuse/exec/blocks.py.")
 _declare("background_compile", bool, True,
          "Compile new signatures on a background thread, so an eager run never waits for XLA.")
 _declare("xla_cpu_async_dispatch", bool, False,
@@ -295,6 +299,13 @@ def _derive_shortcuts() -> Shortcuts:
 def compile_key() -> tuple:
     """The values of every setting that changes compiled code, for the executable cache key."""
     return tuple(get(s.name) for s in _SETTINGS.values() if s.affects_compile)
+
+
+def choice_key() -> tuple:
+    """The values of every setting but the disk cache's own, for the key of a block choice
+    remembered on disk (exec/diskcache.py): a choice made under other settings is not reused."""
+    return tuple((s.name, get(s.name)) for s in _SETTINGS.values()
+                 if s.name not in ("cache_dir", "cache_max_bytes"))
 
 
 # -- the rest of the environment -----------------------------------------------------------------

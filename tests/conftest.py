@@ -21,6 +21,10 @@ os.environ.setdefault("DEFERFUSE_EAGER_LONE_OPS", "0")
 # a test's loop would stop recording after its first few runs, and whether it did would depend on
 # this machine's load.  tests/test_blocks.py checks it, on a fake clock.
 os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
+# A choice it made is kept in the disk cache for later processes (remember_blocks): the suite's
+# processes share one folder, so a place would start from another test's choice.  The tests of
+# remembering (tests/test_blocks.py) turn it on.
+os.environ.setdefault("DEFERFUSE_REMEMBER_BLOCKS", "0")
 # And under a default defer mode, the work between two reads of a value (eager_segments), timed
 # the same way: tests/test_segments.py checks it, on a fake clock.
 os.environ.setdefault("DEFERFUSE_EAGER_SEGMENTS", "0")

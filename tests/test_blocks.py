@@ -372,3 +372,123 @@ def test_a_recheck_of_a_choice_made_on_unsettled_runs_holds_while_they_stay_unse
         choice.finished(1.0, True)
     choice.finished(0.5, True)           # settled now (compiled): measured again
     assert choice.phase is Phase.MEASURE_AT_ONCE and choice.deferred == [0.5]
+
+
+# -- remembered choices (remember_blocks): a later process starts a place from its choice ------
+_REMEMBERING = '''
+import json, sys
+import torch
+import deferfuse
+from deferfuse.exec import blocks
+from deferfuse.modes import active_recorder
+
+class Clock:                      # deferred runs take 1 s, runs at once 0.25 s
+    now = 0.0
+    def __call__(self):
+        return self.now
+    def spend(self):
+        self.now += 1.0 if active_recorder() is not None else 0.25
+
+clock = blocks.clock = Clock()
+x = torch.linspace(-3.0, 3.0, 257)
+results = []
+for _ in range(int(sys.argv[1])):
+    with deferfuse.defer():
+        clock.spend()
+        y = torch.tanh(x * 0.75 + 0.5) * x
+    expected = torch.tanh(x * 0.75 + 0.5) * x
+    results.append((type(y) is torch.Tensor, torch.equal(y, expected), torch.allclose(y, expected)))
+[choice] = blocks.choices()
+print(json.dumps({"plain_equal_close": results, "phase": choice.phase.value,
+                  "jax_imported": "jax" in sys.modules, "stats": deferfuse.stats(),
+                  "explain": str(deferfuse.explain())}))
+'''
+
+
+def _remembering(tmp_path, calls: int, **env) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "remembering.py"
+    script.write_text(_REMEMBERING)
+    env = dict(os.environ, **{"DEFERFUSE_CACHE_DIR": str(tmp_path / "cache"),
+                              "DEFERFUSE_EAGER_BLOCKS": "1", "DEFERFUSE_REMEMBER_BLOCKS": "1",
+                              "DEFERFUSE_AUTOTUNE_ENGINE": "0", "DEFERFUSE_EAGER_UNSEEN_OPS": "1",
+                              **env})
+    out = subprocess.run([sys.executable, str(script), str(calls)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_later_process_starts_a_place_from_its_remembered_choice(tmp_path):
+    first = _remembering(tmp_path, 16)
+    assert first["phase"] == "at once" and first["jax_imported"]
+    assert all(close for _, _, close in first["plain_equal_close"])
+    # a warm start: every call at once from the first, strict's results, JAX never imported
+    second = _remembering(tmp_path, 12)
+    assert second["plain_equal_close"] == [[True, True, True]] * 12
+    assert second["phase"] == "at once" and not second["jax_imported"]
+    assert second["stats"]["blocks_run_at_once"] == 12 and second["stats"]["ops_recorded"] == 0
+    assert "remembered from an earlier process" in second["explain"]
+    # other settings: not the same choice; the place measures (its first call is deferred)
+    other = _remembering(tmp_path, 2, DEFERFUSE_EAGER_FIRST_RUNS="2")
+    assert other["phase"] == "measuring deferred" and other["stats"]["blocks_run_at_once"] == 0
+    assert "remembered" not in other["explain"]
+    # off: measured again
+    off = _remembering(tmp_path, 2, DEFERFUSE_REMEMBER_BLOCKS="0")
+    assert off["phase"] == "measuring deferred" and off["stats"]["blocks_run_at_once"] == 0
+
+
+def test_a_process_too_short_to_choose_leaves_its_runs_to_the_next(tmp_path):
+    first = _remembering(tmp_path, 8)   # (too few runs to time five each way)
+    assert first["phase"].startswith("measuring")
+    second = _remembering(tmp_path, 8)
+    assert second["phase"] == "at once" and "medians of 5 and 5 runs" in second["explain"]
+    assert all(close for _, _, close in second["plain_equal_close"])
+
+
+def test_a_damaged_remembered_choice_is_ignored(tmp_path):
+    _remembering(tmp_path, 16)
+    [record] = (tmp_path / "cache" / "blocks").iterdir()
+    record.write_text('{"phase": "at once", "deferred": "no"')
+    damaged = _remembering(tmp_path, 2)
+    assert damaged["phase"] == "measuring deferred" and damaged["stats"]["blocks_run_at_once"] == 0
+    assert damaged["stats"]["disk_cache_errors"] == 1
+
+
+def test_forget_measures_a_remembered_place_again_in_the_same_process(tier, tmp_path):
+    clock = tier(1.0, 0.25)
+    x = torch.randn(9, 5)
+
+    def run():
+        with deferfuse.defer():
+            clock.spend()
+            return torch.tanh(x * 0.75 + 0.5) * x
+
+    with config.override(remember_blocks=True, cache_dir=str(tmp_path)):
+        for _ in range(30):
+            run()
+        assert _only_place().phase is Phase.AT_ONCE and not _only_place().remembered
+        assert len(list((tmp_path / "blocks").iterdir())) == 1
+        blocks.forget()
+        assert type(run()) is DeferredTensor and _only_place().phase is not Phase.AT_ONCE
+
+
+def test_a_remembered_choice_is_rechecked_as_seldom_and_watched_against_its_own_runs():
+    choice = blocks.BlockChoice("here:5")
+    assert not choice.remember({"phase": "at once", "deferred": [1.0], "at_once": "x", "unsteady": 0})
+    assert choice.phase is Phase.MEASURE_DEFERRED
+    assert choice.remember({"phase": "at once", "deferred": [1.0] * 5, "at_once": [0.25] * 5,
+                            "unsteady": 0, "recheck": 4 * blocks.FIRST_RECHECK})
+    assert choice.phase is Phase.AT_ONCE and choice.remembered and choice.runs_at_once
+    assert choice.recheck == 4 * blocks.FIRST_RECHECK and choice.median is None
+    # this process's first runs, slower than the earlier process's 0.25 s, set its median ...
+    for _ in range(blocks.UNSTEADY_UNTIMED + blocks.SAMPLES):
+        choice.finished(2.0, True)
+    assert choice.phase is Phase.AT_ONCE and choice.median == 2.0
+    # ... and runs far off it twice in a row measure again
+    choice.finished(9.0, True)
+    choice.finished(9.0, True)
+    assert choice.phase is Phase.MEASURE_DEFERRED and not choice.remembered

@@ -40,6 +40,21 @@ A block running at once is strict mode itself, so results are exactly strict's; 
 observationally equivalent, as every defer run is.  ``deferfuse.explain()`` lists each place's
 choice and its times; ``stats()["blocks_run_at_once"]`` counts the runs.
 
+**Remembered.**  A choice made on times is kept in the disk cache (exec/diskcache.py,
+``save_choice``), keyed by the ``with`` line, its function's bytecode, deferfuse's sources,
+torch's version, the CPU and the settings.  A later process starts the place from it (once per
+place per process: ``forget()`` still makes places measure again), its times included, and
+checks it when it would have been checked in that process (after FIRST_RECHECK runs, or as
+many more as the choice held at rechecks: a recheck costs what a first deferred run costs,
+imports included); a block that changed meanwhile (other shapes, a helper edited) shows as
+drift against this process's own runs and measures again.  A first measurement is kept as it
+goes too (a small file written after each timed run, ~0.35 ms), so that a process that ran the
+block too few times to choose leaves its timed runs to the next one, which times the rest.
+This is what a warm start of a block that runs at once needs: its first runs are strict's, with
+no JAX imported, no executable loaded and no deferred run that records, loads and replays
+(bench/warm_start.py: 0.64 s over strict's 20 calls before, 0.002 s after).  The setting
+``remember_blocks`` (on by default) turns it off, as ``cache_dir=""`` does.
+
 Only an outermost defer block is chosen for (not one inside another defer or debug block, nor
 under ``TORCHTPU_MODE=defer``, whose work ``Segments`` below times), and not with
 ``always_compile``.  The setting ``eager_blocks`` turns the tier off.
@@ -48,13 +63,15 @@ under ``TORCHTPU_MODE=defer``, whose work ``Segments`` below times), and not wit
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import time
 from typing import Any, Optional
 
+from .. import config
 from ..errors import FlushReason
 from ..stats import STATS
-from . import executables
+from . import diskcache, executables
 
 log = logging.getLogger("deferfuse")
 
@@ -69,6 +86,7 @@ DRIFT_FLOOR = 2e-4      # ... and this many seconds off it (a 0.1 ms block jitte
 _MAX_PLACES = 4096      # the table is emptied past this many places
 
 clock = time.perf_counter   # (tests drive the tier with a fake clock)
+MEASURING = "measuring"     # a remembered record's phase while its place had not chosen yet
 
 
 class Phase(enum.Enum):
@@ -104,10 +122,14 @@ class BlockChoice:
     """What one place in the code chose, and the times it chose from."""
 
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
-                 "outliers", "choices", "last", "median", "unsettled", "held")
+                 "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
+                 "remembered", "own")
 
-    def __init__(self, place: str) -> None:
+    def __init__(self, place: str, disk_place: Optional[str] = None) -> None:
         self.place = place
+        self.disk_place = disk_place   # the place's stable text, where its choice is kept on disk
+        self.remembered = False        # whether the choice in force came from an earlier process
+        self.own: list[float] = []     # ... and this process's first runs of it
         self.recheck = FIRST_RECHECK
         self.choices = 0
         self.last: Optional[Phase] = None   # the previous choice, while it is being rechecked
@@ -117,6 +139,7 @@ class BlockChoice:
     def _measure_again(self) -> None:
         # (what the choice being rechecked was made on, kept in case it holds without timing)
         self.held = (self.deferred, self.at_once, self.median, self.unsteady) if self.last else None
+        self.remembered = False
         self.phase = Phase.MEASURE_DEFERRED
         self.median: Optional[float] = None   # the chosen way's, once chosen on times
         self.deferred: list[float] = []
@@ -153,6 +176,14 @@ class BlockChoice:
             self.runs += 1
             if self.runs >= self.recheck:
                 self._measure_again()
+            elif steady and self.remembered and self.median is None:
+                # a remembered choice is watched for drift against this process's own runs: an
+                # earlier process's times may not hold here (its allocator tuned by XLA's
+                # start, say); and a process's first runs are slower, in strict too (6, 3, 2,
+                # then 1-2 ms in bench/warm_start.py): the first UNSTEADY_UNTIMED are skipped
+                self.own.append(seconds)
+                if len(self.own) >= UNSTEADY_UNTIMED + SAMPLES:
+                    self.median = _median(self.own[UNSTEADY_UNTIMED:])
             elif steady:
                 self._watch_for_drift(seconds)
 
@@ -170,8 +201,13 @@ class BlockChoice:
                 self._choose(Phase.AT_ONCE if faster else Phase.DEFERRED)
                 return
         self.phase = Phase.MEASURE_AT_ONCE if n < len(deferred) else Phase.MEASURE_DEFERRED
+        if self.last is None:
+            # a first measurement (not a recheck of a choice, which stays on record meanwhile):
+            # kept as it goes, so that a process running the block too few times to choose
+            # leaves its runs to the next one (a script run again and again, 10 calls each)
+            self._save(MEASURING)
 
-    def _choose(self, phase: Phase) -> None:
+    def _choose(self, phase: Phase, save: bool = True) -> None:
         # a choice that held when measured again is checked half as often
         self.recheck = min(2 * self.recheck, LAST_RECHECK) if phase is self.last else FIRST_RECHECK
         self.last = phase
@@ -183,8 +219,46 @@ class BlockChoice:
         self.runs = 0
         self.outliers = 0
         self.choices += 1
+        self.remembered = not save
+        if save and self.deferred:
+            self._save(phase.value)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("block at %s: %s", self.place, self.describe())
+
+    def _save(self, phase: str) -> None:
+        if self.disk_place is not None and config.get("remember_blocks"):
+            diskcache.save_choice(self.disk_place, {
+                "phase": phase, "deferred": self.deferred, "at_once": self.at_once,
+                "unsteady": self.unsteady, "recheck": self.recheck})
+
+    def remember(self, record: dict) -> bool:
+        """Start from ``record``, a choice an earlier process saved for this place, or the runs
+        it timed before it could choose; False (and nothing changed) when the record holds
+        neither."""
+        phase = {Phase.AT_ONCE.value: Phase.AT_ONCE, Phase.DEFERRED.value: Phase.DEFERRED,
+                 MEASURING: None}.get(record.get("phase"), False)
+        deferred, at_once, unsteady = record.get("deferred"), record.get("at_once"), record.get("unsteady")
+        if phase is False or not isinstance(unsteady, int) or not all(
+                isinstance(samples, list) and (samples or phase is None)
+                and len(samples) <= MAX_SAMPLES
+                and all(isinstance(x, float) and x >= 0 for x in samples)
+                for samples in (deferred, at_once)):
+            return False
+        if phase is None:
+            # runs timed before the earlier process could choose: this one times the rest
+            # (its own unsteady runs counted afresh: first sightings and loads are per process)
+            if len(at_once) not in (len(deferred), len(deferred) - 1):
+                return False
+            self.deferred, self.at_once = list(deferred), list(at_once)
+            self.phase = Phase.MEASURE_AT_ONCE if len(at_once) < len(deferred) else Phase.MEASURE_DEFERRED
+            return True
+        self.deferred, self.at_once, self.unsteady = list(deferred), list(at_once), unsteady
+        self._choose(phase, save=False)
+        self.median = None   # (set from this process's first runs: see finished())
+        recheck = record.get("recheck")
+        if isinstance(recheck, int):   # (a choice that held at its rechecks: checked as seldom)
+            self.recheck = min(max(recheck, FIRST_RECHECK), LAST_RECHECK)
+        return True
 
     def _watch_for_drift(self, seconds: float) -> None:
         median = self.median
@@ -206,6 +280,8 @@ class BlockChoice:
                f"(medians of {len(self.deferred)} and {len(self.at_once)} runs)")
         if self.unsteady > UNSTEADY_UNTIMED:
             why += f"; {self.unsteady} deferred runs compiled or met new graphs"
+        if self.remembered:
+            why += ", remembered from an earlier process"
         if self.phase in (Phase.DEFERRED, Phase.AT_ONCE):
             return f"{self.phase.value}: {why}; checked again in {self.recheck - self.runs} runs"
         return f"{self.phase.value}: {why}"
@@ -227,6 +303,9 @@ def before_run(choice: BlockChoice) -> None:
 
 
 
+_LOOKED_UP: set = set()   # places whose remembered choice this process asked the disk for
+
+
 def choice_at(frame: Any) -> BlockChoice:
     """The choice for the block whose ``with`` statement runs in ``frame``."""
     key = (frame.f_code, frame.f_lineno)
@@ -234,8 +313,26 @@ def choice_at(frame: Any) -> BlockChoice:
     if found is None:
         if len(_PLACES) >= _MAX_PLACES:
             _PLACES.clear()
-        found = _PLACES[key] = BlockChoice(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        code = frame.f_code
+        disk_place = _disk_place(code, frame.f_lineno)
+        found = BlockChoice(f"{code.co_filename}:{frame.f_lineno}", disk_place)
+        if key not in _LOOKED_UP and config.get("remember_blocks"):
+            # (once per process: forget() makes places measure again)
+            if len(_LOOKED_UP) >= _MAX_PLACES:
+                _LOOKED_UP.clear()   # (it holds code objects: bounded as the table is)
+            _LOOKED_UP.add(key)
+            record = diskcache.load_choice(disk_place)
+            if record is not None:
+                found.remember(record)
+        _PLACES[key] = found
     return found
+
+
+def _disk_place(code: Any, line: int) -> str:
+    """A ``with`` line as a text that another process running the same code spells the same
+    way: its file, function, line, and a hash of the function's bytecode and names."""
+    digest = hashlib.sha256(code.co_code + repr(code.co_names).encode()).hexdigest()[:16]
+    return f"{code.co_filename}:{code.co_qualname}:{code.co_firstlineno}:{line}:{digest}"
 
 
 def choices() -> list[BlockChoice]:

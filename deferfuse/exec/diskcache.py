@@ -26,6 +26,12 @@ cheap the folder is walked only at a process's first write to it and when the pr
 total (its last walk plus its own writes since) passes the bound; what other processes wrote
 since is seen at the next walk, so the folder can run over by that much until then.
 
+**Block choices.**  The block tier's choice for a ``with`` line (exec/blocks.py) is kept in
+``<folder>/blocks/<key>.json``, so that a later process starts from it instead of measuring
+again (``load_choice``/``save_choice``): a small JSON record, keyed by the place's text and by
+``host_key_inputs()`` and the settings (nothing that needs JAX: a block that runs at once never
+imports it).  Bad or missing records are ignored (counted as errors when unreadable).
+
 JAX's global configuration (including its own compilation cache) is left untouched.
 """
 
@@ -179,6 +185,14 @@ def key_inputs() -> dict[str, str]:
             "platform": f"{device.client.platform} {device.client.platform_version}",
             "device": f"{device.device_kind} x{len(jax.devices())}",
             "cpu": _cpu_features(), "xla_flags": _xla_flags()}
+
+
+def host_key_inputs() -> dict[str, str]:
+    """What a block choice's key holds besides its place: what makes one process time a block
+    differently from another without asking JAX (which a block running at once never imports)."""
+    return {"format": str(_FORMAT), "deferfuse": version.__version__, "code": _code_version(),
+            "torch": torch.__version__, "cpu": _cpu_features(), "xla_flags": _xla_flags(),
+            "settings": repr(config.choice_key())}
 
 
 def _key(signature: Any) -> Optional[str]:
@@ -389,6 +403,53 @@ def save(signature: Any, executable: Any, n_scalars: int, checks: list) -> None:
     STATS.disk_cache_writes += 1
     _count("writes")
     _after_write(folder, len(data))
+
+
+_CHOICES = "blocks"   # the subfolder of block choices
+
+
+def _choice_path(folder: str, place: str) -> str:
+    salt = json.dumps(host_key_inputs(), sort_keys=True)
+    key = hashlib.sha256((salt + "\n" + place).encode()).hexdigest()
+    return os.path.join(folder, _CHOICES, key + ".json")
+
+
+def load_choice(place: str) -> Optional[dict]:
+    """The block choice saved for ``place`` (a stable text naming a ``with`` line and its code)
+    by an earlier process, or None (no cache, no record, or a record that does not parse)."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    path = _choice_path(folder, place)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 16)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        _error(ErrorKind.UNREADABLE, "cannot read %s (%s); measuring the block again", path, exc)
+        return None
+    try:
+        record = json.loads(data)
+        if not isinstance(record, dict) or record.get("place") != place:
+            raise ValueError("not a block choice for this place")
+    except (ValueError, RecursionError) as exc:   # (not JSON, not UTF-8, nested too deep)
+        _error(ErrorKind.UNREADABLE, "ignoring %s (%s); measuring the block again", path, exc)
+        return None
+    return record
+
+
+def save_choice(place: str, record: dict) -> None:
+    """Keep ``record`` (JSON-able; exec/blocks.py's) as the choice for ``place``."""
+    folder = cache_dir()
+    if folder is None or not _ensure_folder(folder):
+        return
+    path = _choice_path(folder, place)
+    try:
+        _write_atomically(path, json.dumps(dict(record, place=place)).encode())
+    except (OSError, TypeError, ValueError) as exc:
+        _error(ErrorKind.WRITE, "could not write %s (%s); this process goes on without it",
+               path, exc)
 
 
 def _count(name: str) -> None:
