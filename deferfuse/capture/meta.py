@@ -24,7 +24,7 @@ import torch
 from ..ir.graph import RuntimeScalar
 from ..ir.meta import TensorMeta
 from ..lower import dtypes as _dtypes
-from ..lower.registry import Lowering, LoweringContext
+from ..lower.registry import Lowering, LoweringContext, OnTorch
 from ..lower.table import get_lowering, get_shape_rule
 from ..stats import STATS
 from .dynamo_free import no_dynamo_import
@@ -37,6 +37,12 @@ class MetaEntry:
     lowering: Optional[Lowering]              # None: no usable lowering
     reason: Optional[str]                     # why there is none
     ctx: LoweringContext
+
+    @property
+    def on_torch(self) -> bool:
+        """Whether the call is recorded all the same, to run on torch's kernel inside the
+        deferred graph (its checker answered ``OnTorch``: lower/registry.py)."""
+        return self.lowering is None and isinstance(self.reason, OnTorch)
 
 
 _CACHE: dict[Any, Any] = {}   # key -> MetaEntry, or _NO_META
@@ -381,10 +387,20 @@ def _no_weights_unless_needed(outs: tuple, args: tuple, kwargs: dict) -> tuple:
     return outs if need_weights else (outs[0], None)
 
 
-def _no_workspace_without_grad(outs: tuple, args: tuple, kwargs: dict) -> tuple:
-    """An LSTM layer (mkldnn_rnn_layer) outside grad mode: the CPU kernel gives no workspace
-    (None); the meta kernel an empty tensor.  (The recorder keys this op by grad mode.)"""
-    return outs if torch.is_grad_enabled() else outs[:3] + (None,)
+def _lstm_workspace(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """An LSTM layer (mkldnn_rnn_layer): outside grad mode the CPU kernel gives no workspace
+    (None); under it a uint8 buffer whose size oneDNN decides from the call's shapes and flags,
+    where the meta kernel gives an empty one.  That size is read off the kernel itself, run once
+    on zeros of the call's shapes (this metadata is cached per call signature).  (The recorder
+    keys this op by grad mode.)"""
+    if not torch.is_grad_enabled():
+        return outs[:3] + (None,)
+    # (under grad mode, as the call: the kernel gives no workspace without it; no input
+    # requires grad, so no autograd graph is made)
+    with torch.utils._python_dispatch._disable_current_modes():
+        zeros = [torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, TensorMeta) else a for a in args]
+        workspace = torch.ops.aten.mkldnn_rnn_layer.default(*zeros, **kwargs)[3]
+    return outs[:3] + (TensorMeta.of(workspace, outs[3].device),)
 
 
 def _from_shape_rule(op: torch._ops.OpOverload):
@@ -408,7 +424,7 @@ _CPU_CORRECTIONS = {
     torch.ops.aten._native_batch_norm_legit_no_training.default: _eval_batch_norm,
     torch.ops.aten._native_batch_norm_legit.default: _no_saved_stats_in_eval,
     torch.ops.aten._native_multi_head_attention.default: _no_weights_unless_needed,
-    torch.ops.aten.mkldnn_rnn_layer.default: _no_workspace_without_grad,
+    torch.ops.aten.mkldnn_rnn_layer.default: _lstm_workspace,
     # (CUDA's: bfloat16 only, a contiguous output; the CPU kernel pads its output's rows to 16
     # bytes, and runs float32 and float16 too: lower/grouped_mm.py)
     torch.ops.aten._grouped_mm.default: _from_shape_rule(torch.ops.aten._grouped_mm.default),

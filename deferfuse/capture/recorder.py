@@ -421,7 +421,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
             STATS.unseen_ops_run += 1
             return self.run_eager(func, info, args, kwargs, None, None)
         vargs, vkw, entry, key, inputs, scalars = found
-        if entry.lowering is None:
+        if entry.lowering is None and not entry.on_torch:
             return self.without_lowering(func, info, args, kwargs, entry)
         outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return restructure(info, self._fresh_outputs(entry, outputs))
@@ -476,7 +476,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
                 torch._subclasses.fake_tensor.DynamicOutputShapeException):
             return self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT,
                                   FallbackReason.DATA_DEPENDENT)
-        if entry.lowering is None:
+        if entry.lowering is None and not entry.on_torch:
             return self.without_lowering(func, info, args, kwargs, entry)
         outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return restructure(info, self._fresh_outputs(entry, outputs))

@@ -37,7 +37,7 @@ from ..exec.program import Program, Ref, Signature, Step
 from ..ir.foreach import foreach_binding
 from ..ir.graph import Value
 from ..ir.meta import TensorMeta
-from ..lower.registry import Lowering, LoweringContext
+from ..lower.registry import Lowering, LoweringContext, OnTorch
 from ..lower.table import get_lowering
 from ..plan import cost
 from ..stats import STATS
@@ -353,7 +353,8 @@ def make_plan(gm: torch.fx.GraphModule, values: dict, graph_key: str, spec_key: 
             on_torch(node, False, "compute_engine=torch")
             continue
         if lowering is None:
-            on_torch(node, True, reason)
+            # (a checker's OnTorch places the call on torch by design: not a fallback)
+            on_torch(node, not isinstance(reason, OnTorch), reason)
             continue
         if lowered_op is not target and _torch_side(node.args[0], where) and _needed_by_torch(node):
             # a view of memory torch holds that leaves the graph or feeds torch: torch takes it,

@@ -14,7 +14,10 @@ to the dtypes torch inferred (``ctx.out``) by the caller, so a rule may return a
 
 A checker is called at record time as ``check(ctx)`` (``ctx`` without arrays) and returns None
 when the rule handles this call, or a short reason string when it does not; the op then goes to a
-decomposition or to an eager fallback.  Checkers are cached per (op, input metadata).  A checker
+decomposition or to an eager fallback.  A reason given as ``OnTorch(reason)`` asks for neither:
+the call is recorded as usual and placed on torch's kernel inside the deferred graph (no flush,
+no fallback), for a call one of whose outputs only torch's kernel can make (an LSTM layer's
+workspace under grad mode, which torch's backward reads: lower/rnn.py).  Checkers are cached per (op, input metadata).  A checker
 may also raise torch's own exception for a call that torch's meta kernel accepts but its CPU
 kernel rejects (it then runs at record time, on the user's line, with strict's error type).
 
@@ -40,6 +43,13 @@ from .._lazy import lazy_import
 jnp = lazy_import("jax.numpy", globals(), "jnp")
 
 Rule = Callable[..., Any]
+
+
+class OnTorch(str):
+    """A checker's reason that places the call on torch's kernel within the deferred graph,
+    rather than sending it to a decomposition or an eager fallback (see the module docstring)."""
+
+
 Checker = Callable[["LoweringContext"], Optional[str]]
 
 

@@ -55,10 +55,13 @@ gradients to bfloat16 before its products (found by experiment; this gives its f
 gradients to about 1e-6 relative, where the plain vjp is off by ~0.5%).
 
 The forward is lowered only without grad mode (inference), where torch's kernel gives no
-workspace.  Under grad mode it runs on torch's kernel (a counted fallback): its workspace is
-read by torch's backward, which crashes given any other (SIGSEGV with an empty one; garbage
-with a zeroed one of the right size), and the backward may run where deferfuse cannot lower
-it: ``loss.backward()`` after the defer block, or at once on first sight or as a lone op.  The
+workspace.  Under grad mode its workspace is read by torch's backward, which crashes given any
+other (SIGSEGV with an empty one; garbage with a zeroed one of the right size), and the
+backward may run where deferfuse cannot lower it: ``loss.backward()`` after the defer block, at
+once on first sight or as a lone op, in an eager replay, under debug mode.  So under grad mode
+the checker answers ``OnTorch``: the call is recorded and placed on torch's kernel inside the
+deferred graph (no flush, no fallback), and every workspace any backward meets is torch's own
+(its size, which the meta kernel gets wrong, is read off the kernel: capture/meta.py).  The
 recorder keys the forward's calls by grad mode (``grad_mode_keyed``) so that its cached check
 sees it.  The backward is lowered in both cases (it never reads the workspace).
 """
@@ -71,7 +74,7 @@ import numpy as np
 import torch
 
 from . import dtypes as _dtypes
-from .registry import LoweringContext, lowering, replay_on_cpu
+from .registry import LoweringContext, OnTorch, lowering, replay_on_cpu
 from .._lazy import lazy_import
 
 jax = lazy_import("jax", globals(), "jax")
@@ -137,8 +140,9 @@ def _check_forward(ctx: LoweringContext) -> Optional[str]:
     reason = _check_layer(ctx, call, (call["weight0"], call["weight1"], call["weight2"], call["weight3"]))
     if reason is None and torch.is_grad_enabled():
         # (the recorder keys this op by grad mode: grad_mode_keyed below)
-        return ("under grad mode: torch's backward reads this call's workspace, which only torch's "
-                "forward writes, and it may run where deferfuse does not (after the defer block)")
+        return OnTorch("under grad mode: torch's backward reads this call's workspace, which only "
+                       "torch's forward writes, and it may run where deferfuse does not (after the "
+                       "defer block)")
     return reason
 
 

@@ -64,13 +64,25 @@ class Policy:
 
 # -- policy: pure predicates --------------------------------------------------------------------
 def placement(node: Node, bound: cost.Bound, policy: Policy) -> Engine:
-    """Where a node runs.  Compute-bound ops may run on torch's own kernels when the setting says
-    torch's are faster on this machine; everything else is fused by XLA."""
+    """Where a node runs.  A node with no lowering (recorded to run on torch's kernel: its
+    checker answered OnTorch) runs there whatever the settings; compute-bound ops may run on
+    torch's own kernels when the setting says torch's are faster on this machine; everything
+    else is fused by XLA."""
+    if needs_torch(node):
+        return Engine.TORCH
     if policy.always_compile:
         return Engine.XLA
     if bound is cost.Bound.COMPUTE and policy.compute_engine == "torch":
         return Engine.TORCH
     return Engine.XLA
+
+
+def needs_torch(node: Node) -> bool:
+    """Whether ``node`` was recorded from an aten call without a lowering (its checker placed it
+    on torch's kernel: lower/registry.OnTorch); a recorded call carries its metadata entry as
+    ``lowering``, the recorder's own nodes (views, write-backs) carry None."""
+    entry = node.lowering
+    return entry is not None and entry.lowering is None
 
 
 def is_lone_op(nodes: list[Node]) -> bool:
@@ -94,7 +106,8 @@ def partition(nodes: list[Node], outputs: list[Value], policy: Policy) -> Plan:
     if not policy.always_compile and policy.lone_op_on_torch and is_lone_op(nodes):
         group = Group(0, Engine.TORCH, list(nodes), SplitReason.LONE_OP, list(outputs))
         return Plan([group], cost.bounds(nodes, policy.machine_balance))
-    if policy.always_compile or (policy.compute_engine == "xla" and policy.fusion_fuel < 0):
+    if (policy.always_compile or (policy.compute_engine == "xla" and policy.fusion_fuel < 0)) \
+            and not any(map(needs_torch, nodes)):
         # Every node is placed on XLA and may fuse with every other: one group, which is convex
         # by construction.  This is the common case, so it skips the walk.
         group = Group(0, Engine.XLA, list(nodes), SplitReason.FIRST, list(outputs))
