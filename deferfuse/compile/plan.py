@@ -37,7 +37,7 @@ from ..exec.program import Program, Ref, Signature, Step
 from ..ir.foreach import foreach_binding
 from ..ir.graph import Value
 from ..ir.meta import TensorMeta
-from ..lower.registry import Lowering, LoweringContext, OnTorch
+from ..lower.registry import LoweringContext, OnTorch
 from ..lower.table import get_lowering
 from ..plan import cost
 from ..stats import STATS
@@ -60,17 +60,6 @@ _SHAPE_ONLY_RANDOM = frozenset({
 def _random_name(op: torch._ops.OpOverload) -> str:
     name = op._schema.name.split("::")[-1]
     return f"{name}.{op._overloadname}" if name == "bernoulli" else name
-
-
-def _zeros(ctx, *args, **kwargs):
-    return jnp.zeros(ctx.out_shape, ctx.out_dtype)
-
-
-# Allocations (their contents unspecified in torch): zeros inside the partition, as defer mode
-# gives (docs/semantics.md, "torch.empty* returns zeros").
-_ALLOCATIONS = {op: Lowering(op, _zeros) for op in (
-    aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default,
-    aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default)}
 
 
 def is_random(op: Any) -> bool:
@@ -201,7 +190,7 @@ class Plan:
 
 def _lowering_for(node: torch.fx.Node, op: torch._ops.OpOverload, values: dict) -> tuple[Any, Any, str]:
     """(lowering, the op it lowers, reason) for an op node; lowering None when it cannot lower."""
-    lowering, lowered_op = get_lowering(op) or _ALLOCATIONS.get(op), op
+    lowering, lowered_op = get_lowering(op), op
     if lowering is None:
         twin = view_twin(op)
         if twin is not None:
@@ -396,7 +385,7 @@ def _torch_side(n: Any, where: dict) -> bool:
 def _lowerable(op: Any) -> bool:
     if not isinstance(op, torch._ops.OpOverload):
         return False
-    if get_lowering(op) is not None or op in _ALLOCATIONS:
+    if get_lowering(op) is not None:
         return True
     twin = view_twin(op)
     return twin is not None and get_lowering(twin) is not None

@@ -94,8 +94,17 @@ def _filled(ctx: LoweringContext, value):
     return jnp.full(ctx.out_shape, _scalar(value, ctx.out_dtype), ctx.out_dtype)
 
 
-# empty, empty_like, empty_strided, empty_permuted, new_empty and new_empty_strided need no rule:
-# the recorder runs allocations eagerly (capture/classify.py, OpKind.ALLOCATION).
+# Allocations (their contents unspecified in torch) are zeros, as defer mode gives them
+# (docs/semantics.md, "torch.empty* returns zeros").  The recorder never asks for these rules: it
+# runs allocations eagerly (capture/classify.py, OpKind.ALLOCATION), so that code such as
+# torch.load can re-point their results with set_(); they serve graphs that contain allocations,
+# such as torch.compile's (compile/plan.py), where the allocation joins the partition.
+@lowering(aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default,
+          aten.new_empty.default, aten.new_empty_strided.default, aten.empty_like.default)
+def empty(ctx, *args, **kwargs):
+    return jnp.zeros(ctx.out_shape, ctx.out_dtype)
+
+
 @lowering(aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, check=_check_strided)
 def zeros(ctx, *args, **kwargs):
     return jnp.zeros(ctx.out_shape, ctx.out_dtype)
