@@ -459,3 +459,36 @@ def test_a_compiled_backward_called_inside_a_defer_block():
         (out * 2).sum().backward()         # its tangent is deferred: computed, then the graph runs
     assert_grads_equal(model, ours)
     assert deferfuse.stats()["compiled_graphs"] == 2
+
+
+def test_a_compiled_step_with_adamw_in_a_defer_block_trains_as_eager(user_defaults):
+    """The bench's ``deferfuse+defer`` step under every default setting: the model's forward and
+    backward compiled, the loss read and AdamW's step inside one ``with deferfuse.defer():``
+    block per step (first sighting, replays while compiling, compiled; the block tier measuring
+    or deferred).  Losses, parameters and AdamW's state equal eager's step by step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    ours = copy.deepcopy(model)
+    f = compiled(ours)
+    opt_e = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)]
+    for call in user_defaults.calls(len(data)):
+        x, y = data[call - 1]
+        loss_e = torch.nn.functional.cross_entropy(model(x), y)
+        loss_e.backward()
+        opt_e.step()
+        opt_e.zero_grad()
+        with deferfuse.defer():
+            loss_o = torch.nn.functional.cross_entropy(f(x), y)
+            loss_o.backward()
+            opt_o.step()
+            opt_o.zero_grad()
+            read = loss_o.item()
+        assert read == pytest.approx(loss_e.item(), rel=1e-5), call
+        for a, b in zip(model.parameters(), ours.parameters()):
+            torch.testing.assert_close(b, a, **TOL)
+    for state_e, state_o in zip(opt_e.state.values(), opt_o.state.values()):
+        torch.testing.assert_close(state_o["exp_avg_sq"], state_e["exp_avg_sq"], **TOL)
+    assert not deferfuse.stats()["fallbacks"] and not deferfuse.stats()["compiled_fallbacks"]
