@@ -17,9 +17,10 @@ when the rule handles this call, or a short reason string when it does not; the 
 decomposition or to an eager fallback.  A reason given as ``OnTorch(reason)`` asks for neither:
 the call is recorded as usual and placed on torch's kernel inside the deferred graph (no flush,
 no fallback), for a call one of whose outputs only torch's kernel can make (an LSTM layer's
-workspace under grad mode, which torch's backward reads: lower/rnn.py).  Checkers are cached per (op, input metadata).  A checker
-may also raise torch's own exception for a call that torch's meta kernel accepts but its CPU
-kernel rejects (it then runs at record time, on the user's line, with strict's error type).
+workspace under grad mode, which torch's backward reads: lower/rnn.py).  Checkers are cached
+per (op, input metadata).  A checker may also raise torch's own exception for a call that
+torch's meta kernel accepts but its CPU kernel rejects (it then runs at record time, on the
+user's line, with strict's error type).
 
 An op tagged ``nondeterministic_seeded`` (random) is recorded through its lowering only for calls
 the checker accepts, so its checker must decline every call that would draw random numbers (the
