@@ -1,0 +1,25 @@
+"""Bench scripts that measure the machine rather than deferfuse: they run end to end and write
+what they print (the timings themselves are not checked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import xla_flags
+
+
+def test_xla_flags_times_the_jax_step_beside_strict_in_fresh_processes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(xla_flags, "RESULTS_DIR", tmp_path)
+    assert xla_flags.main(["--only", "onednn", "--rounds", "1", "--steps", "1", "--warmup", "1"]) == 0
+    found = json.loads((tmp_path / "xla_flags.json").read_text())
+    assert found["settings"] == {"onednn": "--xla_cpu_use_onednn=true"}
+    assert len(found["samples_ms"]["strict"]) == 1 and len(found["samples_ms"]["onednn"]) == 1
+    assert found["speedup_over_strict"]["onednn"] > 0
+    assert "XLA_FLAGS='--xla_cpu_use_onednn=true'" in capsys.readouterr().out
+
+
+def test_xla_flags_names_an_unknown_setting():
+    with pytest.raises(SystemExit, match="unknown settings \\['avx9'\\]"):
+        xla_flags.main(["--only", "avx9"])
