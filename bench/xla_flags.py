@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     strict = found["median_ms"]["strict"]
     print(f"GPT training step (bench.train_gpt's model), {args.rounds} rounds x {args.steps} steps, "
           f"each candidate in its own process:")
-    print(f"  {'strict':24s} {strict:8.1f} ms")
+    print(f"  {'strict':28s} {strict:8.1f} ms")
     for name in names:
-        print(f"  {'jax, ' + name:24s} {found['median_ms'][name]:8.1f} ms  "
+        print(f"  {'jax, ' + name:28s} {found['median_ms'][name]:8.1f} ms  "
               f"{found['speedup_over_strict'][name]:.2f}x strict   XLA_FLAGS={SETTINGS[name]!r}")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{args.name}.json"

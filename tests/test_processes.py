@@ -194,3 +194,51 @@ def test_forking_pickler_reduces_deferred_tensors_as_torch_does():
         crossed(leaf * 2)
     assert str(deferred_error.value) == str(strict_error.value)
     assert conjugate == crossed(torch.complex(x, x).conj()).tolist()
+
+
+# -- JAX's fork warning, and JAX kernels in a forked child ---------------------------------------
+_FORK_AFTER_XLA = r"""
+import json, os, sys
+import torch, deferfuse
+if sys.argv[1] == "user":   # the program starts JAX's client itself, before deferfuse does
+    import jax
+    jax.devices()
+
+@deferfuse.jax_op("forktest::double")
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+x = torch.arange(4.0)
+with deferfuse.config.override(always_compile=True):   # deferfuse runs XLA
+    for _ in range(2):
+        with deferfuse.defer():
+            y = (x + 1).sum()
+        float(y)
+parent = double(x).tolist()
+pid = os.fork()
+if pid == 0:
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ok = double(x).tolist() == parent and double(x).tolist() == parent
+    ours = [str(w.message) for w in seen if "forktest::double runs XLA in a process forked" in str(w.message)]
+    os._exit(0 if ok and len(ours) == 1 and "spawn" in ours[0] else 3)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"parent": parent, "child_exit": os.waitstatus_to_exitcode(status)}))
+"""
+
+
+@pytest.mark.parametrize("who_started_jax", ["deferfuse", "user"])
+def test_jax_fork_warning_and_jax_ops_in_a_child_forked_after_xla(who_started_jax):
+    """JAX warns at each fork that the child may deadlock.  A program whose only JAX is
+    deferfuse's does not see it (a DataLoader with workers would print it where strict prints
+    nothing, and deferfuse never runs XLA in such a child); one that started JAX itself still
+    does.  A jax_op called in such a child runs, and warns once, naming the op and what to do."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _FORK_AFTER_XLA, who_started_jax], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"parent": [0.0, 2.0, 4.0, 6.0], "child_exit": 0}
+    warned = "os.fork() was called" in done.stderr
+    assert warned == (who_started_jax == "user"), done.stderr[-3000:]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 
 from .. import config
 from .._lazy import lazy_import
@@ -47,6 +48,10 @@ _prepared = False
 # this process is a forked child of one that had imported JAX, whose XLA may deadlock here: the
 # engine replays graphs with torch's kernels instead (set by deferfuse/processes.py's fork handler)
 forked_after_xla = False
+# JAX warns at every os.fork() once its client exists ("... will likely lead to a deadlock"):
+# silenced where deferfuse started that client (quiet_jax_fork_warning)
+JAX_FORK_WARNING = r"os\.fork\(\) was called\. os\.fork\(\) is incompatible with multithreaded code"
+quieted_fork_warning = False
 malloc_tuned = False   # whether prepare() set malloc's thresholds in this process
 _lock = threading.Lock()
 
@@ -88,12 +93,14 @@ def tune_malloc() -> bool:
 def _prepare() -> None:
     if config.get("malloc_tuning"):
         tune_malloc()
-    if config.get("xla_cpu_async_dispatch") or config.jax_flag_in_environment(_JAX_FLAG):
-        return
     try:
         from jax._src import xla_bridge
         created = bool(xla_bridge._backends)
-    except (ImportError, AttributeError):   # JAX's internals moved: keep its default
+    except (ImportError, AttributeError):   # JAX's internals moved: keep its defaults
+        return
+    if not created:
+        quiet_jax_fork_warning()
+    if config.get("xla_cpu_async_dispatch") or config.jax_flag_in_environment(_JAX_FLAG):
         return
     if created:
         log.info("deferfuse: JAX's CPU client was created before deferfuse first used it, so "
@@ -102,3 +109,18 @@ def _prepare() -> None:
         return
     jax.config.update(_JAX_FLAG, False)
 
+
+def quiet_jax_fork_warning() -> None:
+    """Silence JAX's warning at each ``os.fork()`` when deferfuse starts JAX's client itself.
+
+    The warning is for a child that goes on using XLA, whose threads did not survive the fork.
+    deferfuse never does (deferfuse/processes.py: a child forked after JAX started runs defer
+    blocks at once and computes inherited pending tensors with torch's kernels; a ``jax_op``
+    called there warns for itself, naming the op), so for a program whose only JAX is deferfuse's, a DataLoader with workers
+    would print a deadlock warning that strict does not and that does not apply.  Where the
+    program had started JAX's client before deferfuse first used it, the warning stays.
+    """
+    global quieted_fork_warning
+    if not quieted_fork_warning:
+        warnings.filterwarnings("ignore", message=JAX_FORK_WARNING, category=RuntimeWarning)
+        quieted_fork_warning = True

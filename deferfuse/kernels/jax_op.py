@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import threading
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch
 
 from ..debugging.source import user_source
 from ..errors import DeferfuseError
-from ..exec import interop
+from ..exec import backend, interop
 from ..exec.executables import x64
 from ..lower import dtypes as dtypes_
 from ..lower.registry import lowering
@@ -89,6 +90,24 @@ def _first_device(values: Sequence[Any]) -> Optional[torch.device]:
             if found is not None:
                 return found
     return None
+
+
+_warned_forked = False
+
+
+def _warn_forked(name: str) -> None:
+    """Once per process: a jax_op runs XLA in a child forked after JAX started.  (deferfuse
+    silences JAX's own warning at every fork, which its own work never needs: exec/backend.py.)"""
+    global _warned_forked
+    if not _warned_forked:
+        _warned_forked = True
+        where = user_source()
+        warnings.warn(
+            f"{name} runs XLA in a process forked after JAX started"
+            + (f" (called at {where})" if where else "") + ": XLA's threads did not survive the "
+            "fork, and it may deadlock here. Start such workers with the 'spawn' or 'forkserver' "
+            "method (multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context='spawn')).",
+            RuntimeWarning, stacklevel=3)
 
 
 def _named(name: str, error: Exception) -> Exception:
@@ -146,6 +165,8 @@ class _Body:
 
     def run(self, args: Sequence[Any], kwargs: dict) -> Any:
         """The implementation: the function jitted, on DLPack views of the tensors."""
+        if backend.forked_after_xla:
+            _warn_forked(self.name)
         spec = self.spec
         values = spec.bind(args, kwargs)
         with x64():
