@@ -50,6 +50,37 @@ def test_parameters_made_under_defer_are_real_parameters():
         assert torch.equal(model.get_parameter(name), p), name
 
 
+def _encoder_and_ema(copy_module):
+    torch.manual_seed(0)
+    encoder = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False)
+    return encoder, copy_module(encoder)
+
+
+def test_deep_copies_of_modules_made_under_defer_have_real_parameters():
+    """``copy.deepcopy`` of a module puts ``nn.Parameter(p.data.clone())`` straight into the
+    copy (past the registration hook): nn.TransformerEncoder copies its layer so, an EMA model
+    the whole network.  Under defer those were DeferredTensors: ``.half()`` raised and every op
+    on them went through the wrapper.  Now they are real Parameters, with strict's values, and
+    the copy trains as strict's."""
+    import copy
+    expected, expected_ema = _encoder_and_ema(copy.deepcopy)
+    with deferfuse.defer():
+        encoder, ema = _encoder_and_ema(copy.deepcopy)
+        for module in (encoder, ema):
+            assert {type(p) for p in module.parameters()} == {torch.nn.Parameter}
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+        ema(x).square().mean().backward()
+        half = copy.deepcopy(ema).half()
+    expected_ema(x).square().mean().backward()
+    for (name, p), q in zip(expected_ema.named_parameters(), ema.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert {p.dtype for p in half.parameters()} == {torch.float16}
+    for p, q in zip(expected.parameters(), encoder.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_parameter_of_a_deferred_value_keeps_requires_grad_and_trains():
     with deferfuse.defer():
         layer = torch.nn.Module()

@@ -12,11 +12,15 @@ Optimizer state has the other cost of a long-lived deferred tensor: AdamW's ``ex
 tier runs the steps at once (as strict), every op on it goes through the wrapper's Python
 dispatch: the zoo's ViT, Swin and ResNet steps ran 6-14% slower at once than strict.
 
-So global hooks of torch's own swap each such tensor, where it is kept, for a plain one over
-real memory whose contents are the deferred value, written by a recorded ``copy_`` (nothing is
-computed; the write fuses with the rest of the block): a parameter or buffer as its module
-registers it (``register_module_parameter_registration_hook``, ``..._buffer_...``), optimizer
-state after each step (``register_optimizer_step_post_hook``; each tensor once, when first made).
+So each such tensor, where it is kept, is swapped for a plain one over real memory whose
+contents are the deferred value, written by a recorded ``copy_`` (nothing is computed; the write
+fuses with the rest of the block): a parameter as ``nn.Parameter`` is made (its ``__new__``,
+wrapped: ``copy.deepcopy`` of a module, which ``nn.TransformerEncoder`` does to its layer and an
+EMA model to the whole network, makes ``nn.Parameter(p.data.clone())`` and puts it straight into
+the copy's ``_parameters``, past any registration hook), a buffer as its module registers it
+(``register_module_buffer_registration_hook``; and parameters again, by
+``register_module_parameter_registration_hook``, for one made otherwise), optimizer state after
+each step (``register_optimizer_step_post_hook``; each tensor once, when first made).
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ def install(active_recorder: Callable[[], Any]) -> None:
     with _install_lock:
         if not _installed:
             _active_recorder = active_recorder
+            original_new = torch.nn.Parameter.__new__
+
+            def parameter_new(cls, data=None, requires_grad=True):
+                if type(data) is DeferredTensor:
+                    data = _plain(data)
+                return original_new(cls, data, requires_grad)
+            torch.nn.Parameter.__new__ = staticmethod(parameter_new)
             torch.nn.modules.module.register_module_parameter_registration_hook(_real_parameter)
             torch.nn.modules.module.register_module_buffer_registration_hook(_real_buffer)
             torch_optimizer.register_optimizer_step_post_hook(_plain_state)
