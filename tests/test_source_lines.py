@@ -95,3 +95,17 @@ def test_leaving_a_block_forgets_the_frames():
         assert source._last_walk[0] is not None
     assert source._last_walk[0] is None
     torch.testing.assert_close(y, F.normalize(x * 2))
+
+
+def test_line_numbers_are_remembered_per_code_and_offset():
+    """A SourceLine's line number (worked out from the code's line table, then remembered): each
+    offset of one code object gets its own line, asked for once or many times."""
+    def two_lines():
+        first = source.user_line()
+        second = source.user_line()
+        return first, second
+    first, second = two_lines()
+    start = two_lines.__code__.co_firstlineno
+    for _ in range(2):
+        assert (first.line, second.line) == (start + 1, start + 2)
+    assert str(first).endswith(f"test_source_lines.py:{start + 1}")

@@ -51,6 +51,14 @@ def user_source() -> Optional[str]:
     return None if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+# (code, bytecode offset) -> line number.  co_lines() is a scan of the whole code object: ~40 µs
+# for a script's module-level code, and the segment tier asks for the line of every read
+# (blocks._segment_key), an optimizer's step.item() among them.
+_LINES: dict = {}
+_LINES_LIMIT = 1 << 14
+_UNKNOWN = object()
+
+
 class SourceLine:
     """A place in the user's code: a code object and a bytecode offset (two calls on one line
     are two places).  Cheap to take on every recorded op; ``str()`` gives "file:line".
@@ -77,10 +85,18 @@ class SourceLine:
 
     @property
     def line(self) -> Optional[int]:
-        for start, end, line in self.code.co_lines():
-            if start <= self.lasti < end:
-                return line
-        return None
+        key = (self.code, self.lasti)
+        line = _LINES.get(key, _UNKNOWN)
+        if line is _UNKNOWN:
+            line = None
+            for start, end, number in self.code.co_lines():
+                if start <= self.lasti < end:
+                    line = number
+                    break
+            if len(_LINES) >= _LINES_LIMIT:
+                _LINES.clear()
+            _LINES[key] = line
+        return line
 
     def __str__(self) -> str:
         return f"{self.code.co_filename}:{self.line}"
