@@ -245,3 +245,83 @@ def test_steady_state_step_compiles_nothing_and_runs_few_computations(name):
         assert stats["cache_misses"] == 0, stats
         assert stats["executions"] <= 3, stats
         assert stats["fallbacks"] == {}, stats
+
+
+def _amp_training(mode: str) -> tuple:
+    """A bfloat16 autocast step with torch.amp's GradScaler on the CPU, one step of which
+    overflows (the scaler skips it and backs the scale off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    x = torch.randn(5, 4, 6, generator=torch.Generator().manual_seed(1))
+    losses, scales = [], []
+    with deferfuse.defer() if mode == "defer" else deferfuse.strict():
+        for step in range(5):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x[step]).float().square().mean()
+            if step == 2:
+                loss = loss * float("inf")
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+    return losses, scales, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("always_compile", [True, False], ids=["xla", "tiered"])
+def test_grad_scaler_under_autocast_matches_strict(always_compile):
+    """torch.amp.GradScaler's unscale writes a list of gradients and found_inf in one op
+    (_amp_foreach_non_finite_check_and_unscale_): recorded, it raised AttributeError ('list'
+    object has no attribute 'shape'), and with the scale update ran eagerly.  Now both are
+    recorded as their kernels' math (capture/unroll.py): equal to strict, the overflowing step
+    skipped, no fallback."""
+    strict = _amp_training("strict")
+    deferfuse.reset_stats()
+    with deferfuse.config.override(always_compile=always_compile, eager_blocks=False):
+        losses, scales, params = _amp_training("defer")
+    assert deferfuse.stats()["fallbacks"] == {}
+    assert losses[2] == float("inf") and losses[:2] == strict[0][:2] and losses[3:] == strict[0][3:]
+    assert scales == strict[1]
+    assert_same(strict[2], params, path="parameters")
+
+
+def _amp_ops(mode: str, case: str) -> list:
+    """The two GradScaler ops on awkward inputs: half, bfloat16, float64, 0-dim and empty
+    gradients, inf, -inf and NaN, a scale whose inverse bfloat16 cannot hold, found_inf already
+    set; and the update at and before its growth interval, after an overflow, and where growing
+    would overflow the scale itself."""
+    nan, inf = float("nan"), float("inf")
+    grads = {
+        "finite": [torch.tensor([1.5, -3.25, 7.0]), torch.tensor(2.0, dtype=torch.float64),
+                   torch.tensor([[0.1, 0.2]], dtype=torch.bfloat16), torch.tensor([3.0, 5.5], dtype=torch.float16),
+                   torch.empty(0)],
+        "inf": [torch.tensor([1.0, inf]), torch.tensor([[0.5]], dtype=torch.bfloat16)],
+        "nan": [torch.tensor([2.0]), torch.tensor([nan, -inf, 1.0], dtype=torch.float16)],
+    }[case]
+    found = torch.tensor([1.0 if case == "nan" else 0.0])
+    inv = torch.tensor([1.0 / 3.0])
+    updates = []
+    with deferfuse.defer() if mode == "defer" else deferfuse.strict():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        for scale, tracker, interval, f in ((2.0 ** 16, 1, 2, 0.0), (2.0 ** 16, 0, 3, 0.0),
+                                            (1.0, 4, 5, 1.0), (3.0e38, 0, 1, 0.0), (6.0, 2, 9, 1.0)):
+            s = torch.tensor([scale])
+            t = torch.tensor([tracker], dtype=torch.int32)
+            out = torch._amp_update_scale_(s, t, torch.tensor([f]), 2.0, 0.3, interval)
+            updates.append((out is s, s.item(), t.item()))
+    return [g.clone() for g in grads] + [found.clone(), updates]
+
+
+@pytest.mark.parametrize("case", ["finite", "inf", "nan"])
+def test_grad_scaler_ops_match_their_kernels(case, always_compile):
+    strict = _amp_ops("strict", case)
+    deferfuse.reset_stats()
+    defer = _amp_ops("defer", case)
+    assert deferfuse.stats()["fallbacks"] == {}
+    assert defer[-1] == strict[-1]
+    for a, b in zip(strict[:-1], defer[:-1]):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)

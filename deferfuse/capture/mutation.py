@@ -224,6 +224,10 @@ class MutationMixin:
         f_args, f_kwargs = rebind(func, functional, f_args, f_kwargs)
         results = self.dispatch_functional(functional, f_args, f_kwargs)
         results = results if isinstance(results, (tuple, list)) else (results,)
+        if any(isinstance(r, (tuple, list)) for r in results):
+            # a written Tensor[] comes back as a list among the twin's results (the AMP unscale's
+            # (grads, found_inf)): flat, as written_arguments lists the targets
+            results = [t for r in results for t in (r if isinstance(r, (tuple, list)) else (r,))]
         outs = entry.outs if entry is not None else tuple(meta_of(r) for r in results)
         if is_out and (any(o is not None and tuple(r.shape) != tuple(o.shape) for r, o in zip(results, outs))
                        or not self._resize_outs(targets, outs, results if info.pointwise else None)):

@@ -1,8 +1,9 @@
 """Our own decompositions, for ops that torch._decomp leaves whole but that must not run eagerly in
-a training loop: the foreach ops (unrolled into one aten call per list element) and the fused
-optimizer steps (written as the per-element math of their CPU kernels).
+a training loop: the foreach ops (unrolled into one aten call per list element), the fused
+optimizer steps and torch.amp's gradient scaler ops (written as the per-element math of their CPU
+kernels).
 
-Both are recorded like any other code (through the defer mode), so an optimizer step fuses with
+All are recorded like any other code (through the defer mode), so an optimizer step fuses with
 the backward pass before it, and its Python float hyperparameters become runtime scalars.
 """
 
@@ -101,7 +102,46 @@ def _fused_sgd(params, grads, momentum_buffer_list, *, weight_decay, momentum, l
     return None
 
 
+# -- torch.amp.GradScaler -----------------------------------------------------------------------
+# Written as the per-element math of their CPU kernels (aten/src/ATen/native/cpu/
+# AmpGradScalerKernels.cpp); no data-dependent branch, so a step fuses whether or not it overflows.
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _amp_unscale(grads, found_inf, inv_scale):
+    """Each gradient times ``inv_scale`` in place (in float32 for half and bfloat16 gradients, as
+    the kernel computes them), and ``found_inf`` set to 1.0 if any gradient holds an inf or NaN."""
+    if not grads:
+        return None
+    inv = inv_scale.reshape(())
+    finite = torch.stack([g.isfinite().all() for g in grads]).all()
+    found_inf.copy_(torch.where(finite, found_inf, torch.ones_like(found_inf)))
+    for g in grads:
+        g.copy_(g.float() * inv if g.dtype in _REDUCED else g * inv)
+    return None
+
+
+def _amp_update_scale(current_scale, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor,
+                      growth_interval):
+    """The scale backed off (and the tracker reset) after an overflow; otherwise the tracker
+    counts successful steps and, at ``growth_interval``, the scale grows where the grown scale is
+    finite.  The kernel multiplies the float scale by the double factors in double."""
+    found = found_inf != 0
+    successful = growth_tracker + 1
+    grow = successful == growth_interval
+    scale = current_scale.double()
+    backed_off = (scale * scale_backoff_factor).to(current_scale.dtype)
+    grown = (scale * scale_growth_factor).to(current_scale.dtype)
+    kept = torch.where(grow & grown.isfinite(), grown, current_scale)
+    tracker = torch.where(found | grow, torch.zeros_like(growth_tracker), successful)
+    current_scale.copy_(torch.where(found, backed_off, kept))
+    growth_tracker.copy_(tracker)
+    return current_scale
+
+
 DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
+    aten._amp_update_scale_.default: _amp_update_scale,
     aten._fused_adam_.default: _fused_adam(adamw=False),
     aten._fused_adam_.tensor_lr: _fused_adam(adamw=False),
     aten._fused_adamw_.default: _fused_adam(adamw=True),
