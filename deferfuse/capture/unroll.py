@@ -1,7 +1,7 @@
 """Our own decompositions, for ops that torch._decomp leaves whole but that must not run eagerly in
 a training loop: the foreach ops (unrolled into one aten call per list element), the fused
 optimizer steps and torch.amp's gradient scaler ops (written as the per-element math of their CPU
-kernels).
+kernels), and batch norm updating its running statistics (as its functional twin).
 
 All are recorded like any other code (through the defer mode), so an optimizer step fuses with
 the backward pass before it, and its Python float hyperparameters become runtime scalars.
@@ -139,7 +139,24 @@ def _amp_update_scale(current_scale, growth_tracker, found_inf, scale_growth_fac
     return current_scale
 
 
+# -- batch norm in training mode ------------------------------------------------------------------
+def _batch_norm_training(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``native_batch_norm`` updating running statistics (in place, though its schema does not
+    say so): its functional twin, whose lowering computes what the CPU kernel does, then the
+    statistics copied back.  torch._decomp's decomposition rounds the saved mean and inverse
+    deviation to the input's type on the CPU, where the kernel keeps them float32 for a
+    bfloat16 or half input with float32 parameters: its backward then raised "mixed dtype"."""
+    if not training or running_mean is None or running_var is None:
+        return NotImplemented
+    out, save_mean, save_invstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
+        input, weight, bias, running_mean, running_var, True, momentum, eps)
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, save_mean, save_invstd
+
+
 DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten.native_batch_norm.default: _batch_norm_training,
     aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
     aten._amp_update_scale_.default: _amp_update_scale,
     aten._fused_adam_.default: _fused_adam(adamw=False),
