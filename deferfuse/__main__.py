@@ -8,10 +8,13 @@ script's folder first on sys.path, its exit code, and its traceback.
 from __future__ import annotations
 
 import argparse
+import builtins
+import importlib.machinery
+import io
 import os
-import runpy
 import sys
 import traceback
+import types
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     deferfuse.set_mode("strict")
     deferfuse.set_mode(mode)
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_as_main(script)
     except SystemExit as exc:
         _finish()
         raise exc
@@ -55,6 +58,25 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _finish()
     return 0
+
+
+def _run_as_main(script: str) -> None:
+    """Run ``script`` as ``python script`` runs it: in a fresh ``__main__`` module whose
+    ``__file__`` (and so every traceback and warning location) is the absolute path, whose
+    ``__builtins__`` is the builtins module, with ``sys.argv[0]`` as typed.  (``runpy.run_path``
+    gives a relative ``__file__``, a dict of builtins and, with an absolute path, an absolute
+    ``sys.argv[0]``.)"""
+    path = os.path.abspath(script)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__cached__ = None
+    main.__builtins__ = builtins
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__annotations__ = {}
+    with io.open_code(path) as source:
+        code = compile(source.read(), path, "exec", dont_inherit=True)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def _is_script_frame(tb, script: str) -> bool:

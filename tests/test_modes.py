@@ -150,6 +150,26 @@ def test_python_m_runs_script_like_python(tmp_path):
     assert "strict Tensor 12.0" in out.stdout
 
 
+def test_python_m_gives_the_script_the_main_module_python_gives(tmp_path):
+    """Run by a relative path from its folder: ``__file__`` absolute (and so warning locations
+    and tracebacks), ``__builtins__`` the module, ``sys.argv[0]`` as typed, the same names in
+    ``__main__``; runpy.run_path gave a relative ``__file__`` and a dict of builtins."""
+    (tmp_path / "s.py").write_text(textwrap.dedent("""
+        import sys, warnings
+        main = sys.modules["__main__"]
+        print(__file__, type(__builtins__).__name__, sys.argv[0], main.__spec__, main.__package__,
+              type(main.__loader__).__name__, sorted(k for k in vars(main) if k.startswith("__")))
+        warnings.warn("where am I")
+    """))
+    env = {"PYTHONPATH": REPO}
+    strict = _run(["s.py"], env, cwd=tmp_path)
+    defer = _run(["-m", "deferfuse", "s.py"], env, cwd=tmp_path)
+    assert strict.returncode == defer.returncode == 0, defer.stderr
+    assert defer.stdout == strict.stdout
+    assert strict.stdout.startswith(f"{tmp_path / 's.py'} module s.py None None SourceFileLoader")
+    assert f"{tmp_path / 's.py'}:6: UserWarning: where am I" in defer.stderr
+
+
 def test_defer_block_freezes_older_objects_out_of_full_collections():
     import gc
     assert gc.get_freeze_count() == 0
