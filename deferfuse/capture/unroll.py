@@ -1,7 +1,8 @@
 """Our own decompositions, for ops that torch._decomp leaves whole but that must not run eagerly in
 a training loop: the foreach ops (unrolled into one aten call per list element), the fused
 optimizer steps and torch.amp's gradient scaler ops (written as the per-element math of their CPU
-kernels), and batch norm updating its running statistics (as its functional twin).
+kernels), batch norm updating its running statistics (as its functional twin) and group norm of
+a half input with float32 parameters (in float32, as its CPU kernel computes it).
 
 All are recorded like any other code (through the defer mode), so an optimizer step fuses with
 the backward pass before it, and its Python float hyperparameters become runtime scalars.
@@ -155,7 +156,36 @@ def _batch_norm_training(input, weight, bias, running_mean, running_var, trainin
     return out, save_mean, save_invstd
 
 
+# -- group norm of a half or bfloat16 input with float32 parameters --------------------------------
+# The CPU kernel's "mixed type" (GroupNorm.cpp): it computes in float32 from the half input,
+# keeps mean and rstd float32, and rounds only the normalized output (and grad_input) to the
+# input's type.  torch._decomp's decompositions, and the meta kernels, round the statistics to the
+# input's type (the backward then starts from rounded statistics: gradients 1e-3 off), and the
+# backward's meta kernel gives grad_input float32.  So a mixed call is recorded as the same op on
+# the input made float32, its output rounded to the input's type; other calls go the usual way.
+def _mixed(x, *params) -> bool:
+    defined = [p for p in params if p is not None]
+    return bool(defined) and x.dtype in _REDUCED and all(p.dtype == torch.float32 for p in defined)
+
+
+def _group_norm(input, weight, bias, N, C, HxW, group, eps):
+    if not _mixed(input, weight, bias):
+        return NotImplemented
+    out, mean, rstd = aten.native_group_norm(input.float(), weight, bias, N, C, HxW, group, eps)
+    return out.to(input.dtype), mean, rstd
+
+
+def _group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    if not _mixed(input, weight) or mean.dtype != torch.float32:
+        return NotImplemented
+    grad_input, grad_weight, grad_bias = aten.native_group_norm_backward(
+        grad_out.float(), input.float(), mean, rstd, weight, N, C, HxW, group, output_mask)
+    return (None if grad_input is None else grad_input.to(input.dtype)), grad_weight, grad_bias
+
+
 DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten.native_group_norm.default: _group_norm,
+    aten.native_group_norm_backward.default: _group_norm_backward,
     aten.native_batch_norm.default: _batch_norm_training,
     aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
     aten._amp_update_scale_.default: _amp_update_scale,
