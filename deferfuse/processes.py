@@ -1,4 +1,5 @@
-"""Processes: what a fork inherits, and what crosses to another process.
+"""Processes: what a fork inherits, and what crosses to another process (and what a new thread
+sees: ``threading.Thread.start`` computes the starting thread's pending work, as a fork does).
 
 **Fork.**  A forked child is a copy of one thread of its parent: the thread that called
 ``os.fork()``, with deferfuse's modes on its dispatch stack.  Recording there goes wrong
@@ -33,6 +34,7 @@ copy runs unrecorded.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -84,22 +86,44 @@ def install(active_recorder: Callable[[], Any], reset_modes: Callable[[], None])
         torch.to_dlpack = torch.utils.dlpack.to_dlpack = _computing_to_dlpack(torch.utils.dlpack.to_dlpack)
         for name in ("_share_fd_cpu_", "_share_filename_cpu_"):
             setattr(torch.UntypedStorage, name, _copying_unrecorded(torch.UntypedStorage.__dict__[name]))
+        threading.Thread.start = _computing_start(threading.Thread.start)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _installed = True
 
 
 # -- fork -----------------------------------------------------------------------------------------
-def _before_fork() -> None:
+def _compute_pending(before: str) -> None:
+    """Compute what is pending on this thread (flush reason ``sync``), so that another process
+    or thread sees the values in memory, as it would under strict."""
     recorder = _active_recorder()
     if recorder is None or torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python):
-        return   # (nothing pending here, or a fork from inside deferfuse's own machinery)
+        return   # (nothing pending here, or a call from inside deferfuse's own machinery)
     try:
         with no_dispatch():
             recorder.flush_all(FlushReason.SYNC)
     except Exception:  # noqa: BLE001 - a fork handler cannot raise; the error comes back at the next flush
-        log.warning("deferfuse: computing pending work before os.fork() failed; the child sees "
-                    "the memory of tensors with pending writes as it was", exc_info=True)
+        log.warning("deferfuse: computing pending work before %s failed; it sees the memory of "
+                    "tensors with pending writes as it was", before, exc_info=True)
+
+
+def _before_fork() -> None:
+    _compute_pending("os.fork()")
+
+
+# -- threads --------------------------------------------------------------------------------------
+def _computing_start(start: Callable) -> Callable:
+    """``threading.Thread.start`` computing this thread's pending work first.  The mode is per
+    thread, so a thread started from a defer block (or under ``TORCHTPU_MODE=defer``) reads
+    tensors' memory directly: a model built just before, whose initialization writes were still
+    pending, trained on uninitialized memory there.  deferfuse's own compile thread is started
+    in the middle of a flush and is left alone."""
+    @functools.wraps(start)
+    def computing_start(self, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_deferfuse_internal", False):
+            _compute_pending("starting a thread")
+        return start(self, *args, **kwargs)
+    return computing_start
 
 
 def _after_fork_in_child() -> None:

@@ -242,3 +242,31 @@ def test_jax_fork_warning_and_jax_ops_in_a_child_forked_after_xla(who_started_ja
     assert report == {"parent": [0.0, 2.0, 4.0, 6.0], "child_exit": 0}
     warned = "os.fork() was called" in done.stderr
     assert warned == (who_started_jax == "user"), done.stderr[-3000:]
+
+
+# -- threads ---------------------------------------------------------------------------------------
+def test_a_thread_started_in_a_defer_block_sees_the_values_written_before_it():
+    """The mode is per thread: a thread reads tensors' memory directly.  A model built in the
+    block had its initialization pending, and a worker thread trained it on uninitialized
+    memory (losses of 1e37, inf, nan).  Thread.start now computes the starting thread's
+    pending work first, as os.fork() does."""
+    import threading
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(4, 2)
+    seen = {}
+
+    def read(model, t):
+        seen["weight"] = model.weight.detach().clone()
+        seen["t"] = t.tolist()
+        seen["type"] = type(model.weight).__name__
+
+    torch.manual_seed(0)
+    with deferfuse.defer():
+        model = torch.nn.Linear(4, 2)
+        t = torch.zeros(3)
+        t.add_(1)
+        worker = threading.Thread(target=read, args=(model, t))
+        worker.start()
+        worker.join()
+    assert seen["type"] == "Parameter" and seen["t"] == [1.0, 1.0, 1.0]
+    assert torch.equal(seen["weight"], expected.weight.detach())

@@ -191,6 +191,7 @@ def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
     _COMPILING.add(sig)
     if _WORKER is None or not _WORKER.is_alive():
         _WORKER = threading.Thread(target=_background_worker, name="deferfuse-compile", daemon=True)
+        _WORKER._deferfuse_internal = True   # (started mid-flush: processes._computing_start)
         _WORKER.start()
         atexit.register(_stop_worker)
     # The program is built here: the graph it reads is released once this flush is done.  The
