@@ -36,6 +36,7 @@ class FlushReason(enum.Enum):
     NODE_LIMIT = "node_limit"          # too many pending ops
     ESCAPE = "escape"                  # a deferred tensor used after its context ended
     COLLECTIVE = "collective"          # a torch.distributed collective (capture/collectives.py)
+    FOREIGN_WRITE = "foreign_write"    # a write into memory torch does not own (from_numpy, ...)
 
 
 class FallbackReason(enum.Enum):

@@ -151,6 +151,30 @@ def test_a_write_then_a_numpy_refill_reads_the_refill():
     assert_same(*_both(program))
 
 
+def test_numpy_sees_a_write_into_its_memory_right_after_the_op(settings):
+    """The owner of foreign memory reads it without asking torch: ``a.tolist()`` right after
+    ``torch.from_numpy(a).add_(1)`` showed the old values (the write landed at the next flush).
+    A write into foreign memory now lands at once, counted as a flush with reason
+    ``foreign_write``, while the rest of the block stays pending."""
+    def program():
+        buf = np.arange(6.0).reshape(2, 3)
+        out = np.zeros(3)
+        t = torch.from_numpy(buf)
+        pending = t.sum(0) * 2
+        t.add_(1)
+        seen = buf.tolist()
+        t[1].mul_(-1)
+        seen_row = buf[1].tolist()
+        torch.from_numpy(out).copy_(pending)
+        return seen, seen_row, out.tolist(), pending, type(pending).__name__
+    deferfuse.reset_stats()
+    expected, actual = _both(program, settings)
+    assert actual[:3] == expected[:3]
+    assert_same(expected[3], actual[3])
+    assert actual[4] == "DeferredTensor"
+    assert deferfuse.stats()["flushes"].get("foreign_write", 0) >= 1
+
+
 def _memory(source: str) -> torch.Tensor:
     if source == "torch":
         return torch.zeros(4)

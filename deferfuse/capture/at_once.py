@@ -60,7 +60,7 @@ class AtOnceMixin:
         code was lone and its inputs are computed (eager_lone_ops); NotImplemented otherwise.
         Tried before recording, only for ops that have had a lone flush: the place is asked
         first, so elsewhere this costs one lookup."""
-        site = user_line_from(sys._getframe(2))
+        site = user_line_from(sys._getframe(3))   # (above mode.py's _record and _defer_dispatch)
         if (id(func), site) not in meta_.LONE_PLACES:
             return NotImplemented
         info = (FACTS.get(id(func)) or learn_facts(func))[0]

@@ -75,11 +75,11 @@ class FastPathMixin:
 
     def _fast_node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
                    entry: Any, inputs: tuple, scalars: tuple) -> Value:
-        """``_node`` for ``record_fast``, whose caller is ``_defer_dispatch``, called by torch:
-        the user's frame (or torch's Python wrapper) is the one above those two, so the walk
-        for the source line starts there."""
+        """``_node`` for ``record_fast``, whose caller is mode.py's ``_record``, called by
+        ``_defer_dispatch``, called by torch: the user's frame (or torch's Python wrapper) is the
+        one above those, so the walk for the source line starts there."""
         self.pending_nodes += 1
-        source = user_line_from(sys._getframe(3)) if self.record_source else None
+        source = user_line_from(sys._getframe(4)) if self.record_source else None
         # (graph.emit for the one output the fast path's ops have, one call shorter)
         node = graph.Node(op, args, kwargs, outs, key, source, entry, inputs, scalars)
         value = graph.Value(node, 0, outs[0])

@@ -26,7 +26,16 @@ from .storage import drop_reads
 
 
 def _defer_dispatch(self, func, types, args=(), kwargs=None):
-    """DeferMode.__torch_dispatch__: the fast path where the op has one, else the general one."""
+    """DeferMode.__torch_dispatch__: the op recorded, and a write it made into foreign memory
+    landed at once (Recorder.land_foreign_writes)."""
+    result = _record(self, func, types, args, kwargs)
+    if self.recorder.foreign_written:
+        self.recorder.land_foreign_writes()
+    return result
+
+
+def _record(self, func, types, args=(), kwargs=None):
+    """The fast path where the op has one, else the general one."""
     recorder = self.recorder
     kwargs = kwargs or {}
     if args and type(args[0]) is torch.Tensor and args[0].numel() <= 1:

@@ -27,7 +27,9 @@ Two kinds of memory need more than the storage model:
   foreign    memory torch does not own (``from_numpy``, ``frombuffer``, DLPack imports, shared
              memory) may be written by code we never see, between two ops: each recorded read
              of it copies what it reads then, and is never cached (``storage.foreign``).  Writes into
-             it are pending values of the graph, as for any storage, and land at the flush.
+             it land in it at once (the op that wrote is the end of its flush: ``land_foreign_writes``,
+             called by DeferMode after each op), since its owner (a NumPy array) reads that memory
+             without asking torch.
 
 The Recorder is split by concern: this file holds its core (reading and writing storages,
 converting arguments, the general dispatch by kind); ``fastpath.py``, ``mutation.py`` and
@@ -99,6 +101,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         self.epoch = next(_epochs)
         self.sizing: set = set()      # data-dependent ops whose size rule is running
         self.guarding_reads = False   # this block holds READ_PATCHES (it wrote a plain tensor)
+        self.foreign_written = False  # an op wrote foreign memory: DeferMode lands it after the op
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
@@ -273,6 +276,17 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         state.changed()
         state.reads[m] = value
         self.pending.append(weakref.ref(state))
+        if state.foreign:
+            self.foreign_written = True
+
+    def land_foreign_writes(self) -> None:
+        """Compute the pending contents of foreign memory (a ``from_numpy`` tensor written in
+        place), so that its owner, which reads the memory without asking torch, sees what strict
+        would have written there by now."""
+        self.foreign_written = False
+        states = [s for s in self.pending_states() if s.foreign]
+        if states:
+            flush.materialize_states(states, FlushReason.FOREIGN_WRITE, self)
 
     def _fresh_outputs(self, entry, outputs: tuple[Value, ...]) -> list:
         """DeferredTensors for a node's outputs, with None where the op returned None."""
