@@ -170,6 +170,36 @@ def test_python_m_gives_the_script_the_main_module_python_gives(tmp_path):
     assert f"{tmp_path / 's.py'}:6: UserWarning: where am I" in defer.stderr
 
 
+@pytest.mark.parametrize("segments", ["default", "off"])
+def test_python_m_prints_what_python_prints_on_stderr(tmp_path, segments):
+    """A training loop logging at INFO whose scheduler reads a loss that requires grad with
+    float(): torch's C++ warning names the caller's line (deferfuse's read wrapper was named), and JAX's
+    INFO records of the backends it probed ("Unable to initialize backend 'tpu'") are not
+    printed where deferfuse started JAX."""
+    (tmp_path / "s.py").write_text(textwrap.dedent("""
+        import logging, torch
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+        w = torch.ones(3, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1)
+        for step in range(3):
+            loss = (w * step).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            plateau.step(loss)   # (float(loss) in torch's code: the warning names that line)
+            logging.info("loss %.2f", loss)
+    """))
+    env = {"PYTHONPATH": REPO, "DEFERFUSE_ALWAYS_COMPILE": "1"}
+    if segments == "off":
+        env["DEFERFUSE_EAGER_SEGMENTS"] = "0"
+    strict = _run(["s.py"], env, cwd=tmp_path)
+    defer = _run(["-m", "deferfuse", "s.py"], dict(env, TORCHTPU_MODE="defer"), cwd=tmp_path)
+    assert strict.returncode == defer.returncode == 0, defer.stderr
+    assert "lr_scheduler.py" in strict.stderr and "UserWarning: Converting a tensor with requires_grad" in strict.stderr
+    assert defer.stderr == strict.stderr
+
+
 def test_defer_block_freezes_older_objects_out_of_full_collections():
     import gc
     assert gc.get_freeze_count() == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -94,6 +95,26 @@ class _SegmentReads(threading.local):
 SEGMENT_READS = _SegmentReads()
 
 
+def _warning_at_caller(original, self, args, kwargs):
+    """``original(self, ...)`` with the warnings torch's C++ raises (``float(loss)`` of a loss
+    that requires grad: "Converting a tensor with requires_grad=True to a scalar ...") given the
+    caller's location, as without this wrapper, rather than this file's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = original(self, *args, **kwargs)
+    if caught:
+        frame = sys._getframe(2)   # (above this function and the read's wrapper; past nested
+        while frame is not None and frame.f_code.co_filename == __file__:   # reads' wrappers)
+            frame = frame.f_back
+        if frame is not None:
+            module = frame.f_globals
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
+                                       module=module.get("__name__"),
+                                       registry=module.setdefault("__warningregistry__", {}))
+    return result
+
+
 def _reading(original, reason: Optional[FlushReason]):
     @functools.wraps(original)
     def method(self, *args, **kwargs):
@@ -101,10 +122,15 @@ def _reading(original, reason: Optional[FlushReason]):
             write_back_before_read(self, reason)
         reads = SEGMENT_READS
         if reads.mode is None:
+            if self.requires_grad:
+                return _warning_at_caller(original, self, args, kwargs)
             return original(self, *args, **kwargs)
         reads.depth += 1
         try:
-            result = original(self, *args, **kwargs)
+            if self.requires_grad:
+                result = _warning_at_caller(original, self, args, kwargs)
+            else:
+                result = original(self, *args, **kwargs)
         finally:
             reads.depth -= 1
         if reads.depth == 0 and reads.mode is not None \

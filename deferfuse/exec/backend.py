@@ -100,6 +100,7 @@ def _prepare() -> None:
         return
     if not created:
         quiet_jax_fork_warning()
+        quiet_backend_probe_logs()
     if config.get("xla_cpu_async_dispatch") or config.jax_flag_in_environment(_JAX_FLAG):
         return
     if created:
@@ -124,3 +125,20 @@ def quiet_jax_fork_warning() -> None:
     if not quieted_fork_warning:
         warnings.filterwarnings("ignore", message=JAX_FORK_WARNING, category=RuntimeWarning)
         quieted_fork_warning = True
+
+
+class _BackendProbeFilter(logging.Filter):
+    """Drops JAX's INFO records of the backends it probed and could not start ("Unable to
+    initialize backend 'tpu': ... libtpu.so ...") when deferfuse started JAX's client: a script
+    with ``logging.basicConfig(level=logging.INFO)`` printed them under defer, where strict never
+    imports JAX.  Errors and warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO
+                    and str(record.msg).startswith("Unable to initialize backend"))
+
+
+def quiet_backend_probe_logs() -> None:
+    jax_logger = logging.getLogger("jax._src.xla_bridge")
+    if not any(isinstance(f, _BackendProbeFilter) for f in jax_logger.filters):
+        jax_logger.addFilter(_BackendProbeFilter())
