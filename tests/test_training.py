@@ -327,23 +327,29 @@ def test_grad_scaler_ops_match_their_kernels(case, always_compile):
         torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
 
 
-def _batch_norm_training(mode: str, params_dtype: torch.dtype) -> list:
-    """A BatchNorm2d trained on bfloat16 activations, its parameters float32 (mixed: the CPU
-    kernel keeps the saved statistics float32) or bfloat16."""
+def _norm_training(mode: str, make_norm, channels: int) -> list:
+    """A norm layer trained on bfloat16 activations (as under torch.autocast): outputs, input and
+    weight gradients of each step, then the parameters and buffers."""
     torch.manual_seed(0)
-    bn = torch.nn.BatchNorm2d(3).to(params_dtype)
-    opt = torch.optim.SGD(bn.parameters(), lr=0.1)
-    xs = torch.randn(3, 4, 3, 5, 5, generator=torch.Generator().manual_seed(1)).bfloat16()
+    norm = make_norm()
+    opt = torch.optim.SGD(norm.parameters(), lr=0.1)
+    xs = torch.randn(3, 4, channels, 5, 5, generator=torch.Generator().manual_seed(1)).bfloat16()
     seen = []
     with deferfuse.defer() if mode == "defer" else deferfuse.strict():
         for x in xs:
             x = x.requires_grad_()
-            out = bn(x)
+            out = norm(x)
             opt.zero_grad()
-            (out.float() * torch.linspace(-1, 1, 75).reshape(3, 5, 5)).sum().backward()
+            (out.float() * torch.linspace(-1, 1, channels * 25).reshape(channels, 5, 5)).sum().backward()
             opt.step()
-            seen += [out.detach().clone(), x.grad.clone()]
-    return seen + [p.detach().clone() for p in bn.parameters()] + [b.clone() for b in bn.buffers()]
+            seen += [out.detach().clone(), x.grad.clone(), norm.weight.grad.clone()]
+    return seen + [p.detach().clone() for p in norm.parameters()] + [b.clone() for b in norm.buffers()]
+
+
+def _batch_norm_training(mode: str, params_dtype: torch.dtype) -> list:
+    """BatchNorm2d with float32 parameters (mixed: the CPU kernel keeps the saved statistics
+    float32) or bfloat16 ones."""
+    return _norm_training(mode, lambda: torch.nn.BatchNorm2d(3).to(params_dtype), 3)
 
 
 @pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["mixed", "bf16"])
@@ -376,22 +382,8 @@ def test_batch_norm_on_bfloat16_activations_with_the_default_settings(user_defau
 
 
 def _group_norm_training(mode: str) -> list:
-    """A GroupNorm with float32 parameters trained on bfloat16 activations (the CPU kernel's
-    mixed type), as under torch.autocast."""
-    torch.manual_seed(0)
-    gn = torch.nn.GroupNorm(2, 6)
-    opt = torch.optim.SGD(gn.parameters(), lr=0.1)
-    xs = torch.randn(3, 4, 6, 5, 5, generator=torch.Generator().manual_seed(1)).bfloat16()
-    seen = []
-    with deferfuse.defer() if mode == "defer" else deferfuse.strict():
-        for x in xs:
-            x = x.requires_grad_()
-            out = gn(x)
-            opt.zero_grad()
-            (out.float() * torch.linspace(-1, 1, 150).reshape(6, 5, 5)).sum().backward()
-            opt.step()
-            seen += [out.detach().clone(), x.grad.clone(), gn.weight.grad.clone()]
-    return seen + [p.detach().clone() for p in gn.parameters()]
+    """GroupNorm with float32 parameters (the CPU kernel's mixed type)."""
+    return _norm_training(mode, lambda: torch.nn.GroupNorm(2, 6), 6)
 
 
 @pytest.mark.parametrize("always_compile", [True, False], ids=["xla", "tiered"])
