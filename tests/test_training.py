@@ -247,12 +247,20 @@ def test_steady_state_step_compiles_nothing_and_runs_few_computations(name):
         assert stats["fallbacks"] == {}, stats
 
 
-def _amp_training(mode: str) -> tuple:
+AMP_OPTIMIZERS = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    # (fused: GradScaler hands the optimizer grad_scale and found_inf, which its kernel applies)
+    "sgd-fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+}
+
+
+def _amp_training(mode: str, optimizer: str = "sgd-momentum") -> tuple:
     """A bfloat16 autocast step with torch.amp's GradScaler on the CPU, one step of which
     overflows (the scaler skips it and backs the scale off)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = AMP_OPTIMIZERS[optimizer](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
     x = torch.randn(5, 4, 6, generator=torch.Generator().manual_seed(1))
     losses, scales = [], []
@@ -271,17 +279,19 @@ def _amp_training(mode: str) -> tuple:
     return losses, scales, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("optimizer", sorted(AMP_OPTIMIZERS))
 @pytest.mark.parametrize("always_compile", [True, False], ids=["xla", "tiered"])
-def test_grad_scaler_under_autocast_matches_strict(always_compile):
+def test_grad_scaler_under_autocast_matches_strict(always_compile, optimizer):
     """torch.amp.GradScaler's unscale writes a list of gradients and found_inf in one op
     (_amp_foreach_non_finite_check_and_unscale_): recorded, it raised AttributeError ('list'
     object has no attribute 'shape'), and with the scale update ran eagerly.  Now both are
     recorded as their kernels' math (capture/unroll.py): equal to strict, the overflowing step
-    skipped, no fallback."""
-    strict = _amp_training("strict")
+    skipped, no fallback; so are the fused optimizers' steps given grad_scale and found_inf
+    (they ran torch's kernel, a fallback)."""
+    strict = _amp_training("strict", optimizer)
     deferfuse.reset_stats()
     with deferfuse.config.override(always_compile=always_compile, eager_blocks=False):
-        losses, scales, params = _amp_training("defer")
+        losses, scales, params = _amp_training("defer", optimizer)
     assert deferfuse.stats()["fallbacks"] == {}
     assert losses[2] == float("inf") and losses[:2] == strict[0][:2] and losses[3:] == strict[0][3:]
     assert scales == strict[1]

@@ -10,6 +10,7 @@ the backward pass before it, and its Python float hyperparameters become runtime
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -50,11 +51,37 @@ def unroll_foreach(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 
 
 # -- fused optimizers ---------------------------------------------------------------------------
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _under_amp(step):
+    """A fused optimizer step as its kernel runs it with torch.amp's arguments: each gradient
+    divided by ``grad_scale`` (and written back), and nothing changed at all when ``found_inf`` is
+    1.  With no data-dependent branch: the step runs, and every tensor it may write is put back
+    where ``found_inf`` says so (the copies fuse into the step's computation)."""
+    @functools.wraps(step)
+    def amp_step(params, grads, *lists, grad_scale=None, found_inf=None, **kwargs):
+        if grad_scale is None and found_inf is None:
+            return step(params, grads, *lists, **kwargs)
+        written = [t for group in (params, grads, *lists) for t in group if isinstance(t, torch.Tensor)]
+        before = [t.clone() for t in written] if found_inf is not None else []
+        if grad_scale is not None:
+            scale = grad_scale.reshape(())
+            for g in grads:
+                g.copy_(g / scale if g.dtype not in _REDUCED else g.float() / scale)
+        step(params, grads, *lists, **kwargs)
+        if found_inf is not None:
+            skip = (found_inf == 1.0).reshape(())
+            for t, old in zip(written, before):
+                t.copy_(torch.where(skip, old, t))
+        return None
+    return amp_step
+
+
 def _fused_adam(adamw: bool):
+    @_under_amp
     def step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
-             weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None):
-        if grad_scale is not None or found_inf is not None:
-            return NotImplemented     # AMP's gradient unscaling: left to torch's kernel
+             weight_decay, eps, amsgrad, maximize):
         for i, param in enumerate(params):
             grad = grads[i].neg() if maximize else grads[i]
             if weight_decay != 0:
@@ -81,10 +108,9 @@ def _fused_adam(adamw: bool):
     return step
 
 
+@_under_amp
 def _fused_sgd(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov,
-               maximize, is_first_step, grad_scale=None, found_inf=None):
-    if grad_scale is not None or found_inf is not None:
-        return NotImplemented
+               maximize, is_first_step):
     for i, param in enumerate(params):
         grad = grads[i].neg() if maximize else grads[i]
         if weight_decay != 0:
@@ -106,7 +132,6 @@ def _fused_sgd(params, grads, momentum_buffer_list, *, weight_decay, momentum, l
 # -- torch.amp.GradScaler -----------------------------------------------------------------------
 # Written as the per-element math of their CPU kernels (aten/src/ATen/native/cpu/
 # AmpGradScalerKernels.cpp); no data-dependent branch, so a step fuses whether or not it overflows.
-_REDUCED = (torch.float16, torch.bfloat16)
 
 
 def _amp_unscale(grads, found_inf, inv_scale):
