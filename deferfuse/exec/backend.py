@@ -117,9 +117,10 @@ def quiet_jax_fork_warning() -> None:
     The warning is for a child that goes on using XLA, whose threads did not survive the fork.
     deferfuse never does (deferfuse/processes.py: a child forked after JAX started runs defer
     blocks at once and computes inherited pending tensors with torch's kernels; a ``jax_op``
-    called there warns for itself, naming the op), so for a program whose only JAX is deferfuse's, a DataLoader with workers
-    would print a deadlock warning that strict does not and that does not apply.  Where the
-    program had started JAX's client before deferfuse first used it, the warning stays.
+    called there warns for itself, naming the op), so for a program whose only JAX is
+    deferfuse's, a DataLoader with workers would print a deadlock warning that strict does not
+    and that does not apply.  Where the program had started JAX's client before deferfuse first
+    used it, the warning stays.
     """
     global quieted_fork_warning
     if not quieted_fork_warning:
