@@ -18,9 +18,8 @@ fuses with the rest of the block): a parameter as ``nn.Parameter`` is made (its 
 wrapped: ``copy.deepcopy`` of a module, which ``nn.TransformerEncoder`` does to its layer and an
 EMA model to the whole network, makes ``nn.Parameter(p.data.clone())`` and puts it straight into
 the copy's ``_parameters``, past any registration hook), a buffer as its module registers it
-(``register_module_buffer_registration_hook``; and parameters again, by
-``register_module_parameter_registration_hook``, for one made otherwise), optimizer state after
-each step (``register_optimizer_step_post_hook``; each tensor once, when first made).
+(``register_module_buffer_registration_hook``), optimizer state after each step
+(``register_optimizer_step_post_hook``; each tensor once, when first made).
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ def install(active_recorder: Callable[[], Any]) -> None:
                     data = _plain(data)
                 return original_new(cls, data, requires_grad)
             torch.nn.Parameter.__new__ = staticmethod(parameter_new)
-            torch.nn.modules.module.register_module_parameter_registration_hook(_real_parameter)
             torch.nn.modules.module.register_module_buffer_registration_hook(_real_buffer)
             torch_optimizer.register_optimizer_step_post_hook(_plain_state)
             _installed = True
@@ -70,13 +68,6 @@ def _plain(value: DeferredTensor) -> torch.Tensor:
         # (recorded by the defer block on this thread; outside one, the deferred value computes)
         memory.copy_(value)
     return memory
-
-
-def _real_parameter(module: torch.nn.Module, name: str, param: Optional[torch.Tensor]):
-    """The parameter hook: a real ``nn.Parameter`` in place of a deferred one (None keeps it)."""
-    if not isinstance(param, DeferredTensor):
-        return None
-    return torch.nn.Parameter(_plain(param), requires_grad=param.requires_grad)
 
 
 def _real_buffer(module: torch.nn.Module, name: str, buffer: Optional[torch.Tensor]):

@@ -101,7 +101,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         self.epoch = next(_epochs)
         self.sizing: set = set()      # data-dependent ops whose size rule is running
         self.guarding_reads = False   # this block holds READ_PATCHES (it wrote a plain tensor)
-        self.foreign_written = False  # an op wrote foreign memory: DeferMode lands it after the op
+        self.foreign_written: list[StorageState] = []   # foreign memory an op wrote: landed after it
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
@@ -277,14 +277,14 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         state.reads[m] = value
         self.pending.append(weakref.ref(state))
         if state.foreign:
-            self.foreign_written = True
+            self.foreign_written.append(state)
 
     def land_foreign_writes(self) -> None:
         """Compute the pending contents of foreign memory (a ``from_numpy`` tensor written in
         place), so that its owner, which reads the memory without asking torch, sees what strict
         would have written there by now."""
-        self.foreign_written = False
-        states = [s for s in self.pending_states() if s.foreign]
+        states = [s for s in dict.fromkeys(self.foreign_written) if s.contents is not None]
+        self.foreign_written = []
         if states:
             flush.materialize_states(states, FlushReason.FOREIGN_WRITE, self)
 
