@@ -60,6 +60,15 @@ _declare("always_compile", bool, False,
          "Send every flushed op through XLA, with no eager shortcut (tests and conformance runs).")
 _declare("max_pending_nodes", int, 10_000,
          "Flush when this many ops are pending, so a program that never observes stays bounded.")
+_declare("step_boundaries", bool, True,
+         "End a deferred program where the user's step ends, whenever values are read: at the "
+         "end of an optimizer's step(), and, in a loop with no optimizer, where the loop comes "
+         "round once program_nodes ops are pending (capture/steps.py).  A "
+         "`with deferfuse.defer(span='block'):` block is one program however many steps it holds.")
+_declare("program_nodes", int, 512,
+         "With step_boundaries: how many ops a deferred program with no step boundary may hold "
+         "before the loop recording it is cut (then cut wherever it comes round); 0 turns loop "
+         "cuts off.  Chosen from XLA's compile time and memory (docs/architecture.md).")
 _declare("record_source", bool, True,
          "Record the user's file:line for each deferred op, for errors and explain().")
 _declare("eager_small_flush", int, 0,
@@ -95,6 +104,10 @@ _declare("executable_cache_size", int, 512,
          "How many compiled executables to keep in memory, least recently used dropped first "
          "(each holds ~1.6 MB of compiled code on the CPU); 0 keeps all.  A dropped one that "
          "comes back is loaded from the disk cache or compiled again.")
+_declare("executable_cache_bytes", int, 256 << 20,
+         "Bound on the resident memory of the executables kept in memory, estimated at 128 KiB "
+         "per compiled kernel (what freeing them returns); least recently used dropped first "
+         "past it; 0: no bound.  See deferfuse/exec/executables.py.")
 _declare("eager_first_runs", int, 1,
          "Run a new graph signature eagerly (op by op in torch) this many times before its XLA "
          "executable is used; 0 compiles at first sight.  always_compile overrides.")
@@ -126,6 +139,12 @@ _declare("eager_segments", bool, True,
          "block marks the work, time what runs between two reads of a value (`.item()`, "
          "`bool()`) by the place of the read that starts it, deferred against at once, and run "
          "it the faster way, as eager_blocks does for `with` blocks.  always_compile overrides.")
+_declare("explore_share", float, 0.05,
+         "eager_blocks and eager_segments: the share of a place's running time that trying the "
+         "deferred way may cost over running at once (its first recordings, replays and "
+         "compiles); a place starts at once and tries deferred runs as this budget allows, so "
+         "a loop where deferring does not pay costs at most about this much over strict.  1 "
+         "or more: no budget (deferred runs are tried from the first run).")
 _declare("remember_blocks", bool, True,
          "Keep eager_blocks' choice for each place in the disk cache (cache_dir) and start a "
          "later process's place from it, checked again as any choice: a warm start runs a block "

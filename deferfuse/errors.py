@@ -34,6 +34,8 @@ class FlushReason(enum.Enum):
     CONTEXT_EXIT = "context_exit"
     SYNC = "sync"                      # deferfuse.sync()
     NODE_LIMIT = "node_limit"          # too many pending ops
+    STEP = "step"                      # the end of an optimizer's step() (capture/steps.py)
+    LOOP = "loop"                      # a loop with no step came round again (capture/steps.py)
     ESCAPE = "escape"                  # a deferred tensor used after its context ended
     COLLECTIVE = "collective"          # a torch.distributed collective (capture/collectives.py)
     FOREIGN_WRITE = "foreign_write"    # a write into memory torch does not own (from_numpy, ...)

@@ -23,7 +23,7 @@ import threading
 from typing import Iterator, Optional, Union
 
 from . import config, processes
-from .capture import modules
+from .capture import modules, steps
 from .errors import FlushReason, ModeError
 from .exec import blocks
 from .stats import STATS
@@ -189,6 +189,7 @@ def _push(kind: EagerMode, segmented: bool = False) -> object:
     default defer mode's, whose work the segment tier times)."""
     processes.install(active_recorder, reset_after_fork)
     modules.install(active_recorder)
+    steps.install(active_recorder)   # (after modules': see capture/steps.py)
     if kind is EagerMode.DEFER:
         handle = _start_defer(segmented)
     else:
@@ -248,15 +249,25 @@ def _resume(suspended: list[tuple[EagerMode, object]]) -> None:
         _stack.live.append((kind, handle))
 
 
+SPANS = ("step", "block")
+
+
 @contextlib.contextmanager
-def mode(m: ModeLike) -> Iterator[EagerMode]:
+def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
     """Run the block under eager mode ``m``; nestable and exception-safe.
 
     The innermost block wins, as on torch's dispatch stack: defer inside debug records (the
     DebugMode stays below it and checks what defer runs eagerly); debug inside defer flushes
     and steps out of the defer; strict steps out of both.
+
+    ``span`` (defer only): "step" (the default) ends a deferred program where the user's step
+    ends (an optimizer's step(), a loop coming round: capture/steps.py); "block" makes the
+    block one program however many steps it holds, for a longer program on purpose.
     """
     target = parse_mode(m)
+    if span not in SPANS:
+        raise ModeError(f"span={span!r}: use 'step' (a program ends with each step) or 'block' "
+                        f"(the whole block is one program)")
     live = _stack.live
     pushed = None
     suspended: list[tuple[EagerMode, object]] = []
@@ -266,9 +277,10 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
             processes.note_defer_at_once()
         elif not live and config.shortcuts().blocks_timed:
             block = blocks.choice_at(_with_statement_frame())
-            blocks.before_run(block)
+            at_once = block.runs_at_once
+            block.starting(at_once)
             started = blocks.clock()
-            if block.runs_at_once:
+            if at_once:
                 STATS.blocks_run_at_once += 1
             else:
                 unsteady = blocks.unsteady_count()
@@ -283,11 +295,16 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
         suspended = _suspend((EagerMode.DEFER, EagerMode.DEBUG))
     entry = (target, pushed, suspended)
     _stack.entries.append(entry)
+    whole = active_recorder() if span == "block" and target is EagerMode.DEFER else None
+    if whole is not None:
+        whole.hold_whole_block(+1)
     ok = False
     try:
         yield target
         ok = True
     finally:
+        if whole is not None:
+            whole.hold_whole_block(-1)
         if _stack.entries.pop() is not entry:
             # a forked child leaving a block its parent entered: reset_after_fork took its
             # modes off already (the parent owns them and their pending work)
@@ -299,7 +316,7 @@ def mode(m: ModeLike) -> Iterator[EagerMode]:
             _resume(suspended)
     if block is not None:   # (the block and its flush ended without an exception)
         block.finished(blocks.clock() - started,
-                       pushed is None or blocks.unsteady_count() == unsteady)
+                       pushed is None or blocks.unsteady_count() == unsteady, pushed is None)
 
 
 _CONTEXTLIB = contextlib.__file__
@@ -314,9 +331,11 @@ def _with_statement_frame():
     return frame
 
 
-def defer():
-    """``with deferfuse.defer():`` — record, fuse, and run when observed."""
-    return mode(EagerMode.DEFER)
+def defer(*, span: str = "step"):
+    """``with deferfuse.defer():`` — record, fuse, and run when observed.  A program ends at
+    the latest where the user's step ends; ``span="block"`` makes the block one program
+    however many steps it holds (see ``mode``)."""
+    return mode(EagerMode.DEFER, span=span)
 
 
 def debug():

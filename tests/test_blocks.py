@@ -45,9 +45,10 @@ def tier(monkeypatch):
         return clock
 
     # (autotune_engine off: its engine choice, made on this machine's timings, would make one
-    # more run unsteady, sometimes)
+    # more run unsteady, sometimes; explore_share 1: the alternation from the first run, with
+    # no exploration budget, which tests further down test)
     with config.override(eager_blocks=True, always_compile=False, eager_first_runs=1,
-                         background_compile=False, autotune_engine=False):
+                         background_compile=False, autotune_engine=False, explore_share=1.0):
         yield make
     blocks.forget()
 
@@ -415,7 +416,7 @@ def _remembering(tmp_path, calls: int, **env) -> dict:
     env = dict(os.environ, **{"DEFERFUSE_CACHE_DIR": str(tmp_path / "cache"),
                               "DEFERFUSE_EAGER_BLOCKS": "1", "DEFERFUSE_REMEMBER_BLOCKS": "1",
                               "DEFERFUSE_AUTOTUNE_ENGINE": "0", "DEFERFUSE_EAGER_UNSEEN_OPS": "1",
-                              **env})
+                              "DEFERFUSE_EXPLORE_SHARE": "1", "DEFERFUSE_BACKGROUND_COMPILE": "0", **env})
     out = subprocess.run([sys.executable, str(script), str(calls)], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -492,3 +493,71 @@ def test_a_remembered_choice_is_rechecked_as_seldom_and_watched_against_its_own_
     choice.finished(9.0, True)
     choice.finished(9.0, True)
     assert choice.phase is Phase.MEASURE_DEFERRED and not choice.remembered
+
+
+# -- the exploration budget (explore_share): trying the deferred way costs a bounded share ----
+@pytest.mark.parametrize("deferred, at_once", [(2.0, 1.0), (1.3, 1.0), (50.0, 1.0)])
+def test_trying_deferred_runs_costs_at_most_the_budget_over_strict(tier, deferred, at_once):
+    """A place where deferring never pays: it starts at once (as strict), and the deferred runs
+    it tries, first recordings and compiles included, cost at most explore_share of its time
+    over running everything at once (plus the one run that found out)."""
+    clock = tier(deferred, at_once)
+    x = torch.randn(13, 7)
+    share = 0.05
+    types = []
+    with config.override(explore_share=share):
+        for _ in range(400):
+            y = _block(x, clock)
+            types.append(type(y))
+            torch.testing.assert_close(y, _strict(x))
+    assert types[0] is torch.Tensor   # (a new place runs at once, as strict)
+    strict_time = 400 * at_once
+    assert clock.now <= strict_time * (1 + share) + (deferred - at_once), (clock.now, strict_time)
+    assert DeferredTensor in types   # (and it did try)
+
+
+def test_where_deferring_pays_the_budget_is_not_spent_and_the_place_defers(tier):
+    clock = tier(deferred=0.25, at_once=1.0)
+    x = torch.randn(19, 3)
+    with config.override(explore_share=0.05):
+        types = [type(_block(x, clock)) for _ in range(60)]
+    assert _only_place().phase is Phase.DEFERRED
+    # at once until the first trial fits the budget; deferred runs cost nothing over at once,
+    # so from then on the tier alternates as with no budget
+    first = types.index(DeferredTensor)
+    assert 1 <= first <= 10 and set(types[-10:]) == {DeferredTensor}
+
+
+def test_a_compile_that_does_not_fit_the_budget_is_put_off(tier, monkeypatch):
+    from deferfuse.exec import executables
+    clock = tier(deferred=1.0, at_once=1.0)
+    x = torch.randn(23, 5)
+    # (every compile estimated at a minute: with 5% of a few seconds to spend, none fits)
+    monkeypatch.setattr(executables, "compile_estimate", lambda n_nodes: 60.0)
+    deferfuse.reset_stats()
+    with config.override(explore_share=0.05):
+        for _ in range(80):
+            torch.testing.assert_close(_block(x, clock), _strict(x))
+    stats = deferfuse.stats()
+    assert stats["compiles"] == 0 and stats["compiles_put_off"] >= 1 and stats["eager_replays"] >= 2
+    # an affordable compile goes ahead at the next deferred run
+    monkeypatch.setattr(executables, "compile_estimate", lambda n_nodes: 0.0)
+    with config.override(explore_share=0.05):
+        for _ in range(80):
+            _block(x, clock)
+    assert deferfuse.stats()["compiles"] == 1
+
+
+def test_a_run_at_once_is_not_timed_while_a_compile_takes_a_core(monkeypatch):
+    from deferfuse.exec import executables
+    choice = blocks.BlockChoice("here:5")
+    choice.finished(2.0, True)                       # deferred, timed
+    assert choice.phase is Phase.MEASURE_AT_ONCE
+    monkeypatch.setattr(executables, "compiles_pending", lambda: True)
+    choice.starting(True)
+    choice.finished(5.0, True, at_once=True)         # slowed by the compile: not a sample
+    assert choice.at_once == [] and choice.phase is Phase.MEASURE_AT_ONCE
+    monkeypatch.setattr(executables, "compiles_pending", lambda: False)
+    choice.starting(True)
+    choice.finished(1.0, True, at_once=True)
+    assert choice.at_once == [1.0] and choice.phase is Phase.MEASURE_DEFERRED

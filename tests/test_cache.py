@@ -196,6 +196,8 @@ def test_executables_in_memory_are_bounded_by_the_mappings_they_hold(monkeypatch
     executables go.  Here the limit is made small: 60 mappings above what the process holds."""
     from deferfuse import engine
     from deferfuse.exec import executables
+    with deferfuse.config.override(always_compile=True, cache_dir=""), deferfuse.defer():
+        torch.ones(2) * 3   # (JAX's client started: its own mappings are not the cache's)
     engine.clear_cache()
     budget = _maps() + 60
     monkeypatch.setattr(executables, "max_map_count", lambda: int(budget / executables.MAPPING_SHARE) + 1)
@@ -213,6 +215,37 @@ def test_executables_in_memory_are_bounded_by_the_mappings_they_hold(monkeypatch
             assert _maps() <= budget + 20   # (one executable's worth above the budget at most)
         assert deferfuse.stats()["executables_evicted"] > 0
         assert 0 < executables.size() < 40
+
+
+def test_executables_in_memory_are_bounded_in_bytes():
+    """Issue 40: a cache bounded only by count held 512 model-step executables (~50 MB each
+    resident).  Each executable is sized by the kernels its compile mapped; past
+    executable_cache_bytes the least recently used go, and the hot one stays."""
+    from deferfuse import engine
+    from deferfuse.exec import executables
+    engine.clear_cache()
+
+    def run(n: int) -> torch.Tensor:
+        x = torch.arange(n, dtype=torch.float32)
+        with deferfuse.defer():
+            y = (x * 0.75 + 1.0).cos() * x
+        return y
+
+    with deferfuse.config.override(always_compile=True, cache_dir="", executable_cache_size=0):
+        run(2)
+        one = executables.held_bytes()
+        assert one >= executables.KERNEL_BYTES
+        with deferfuse.config.override(executable_cache_bytes=6 * one):
+            deferfuse.reset_stats()
+            hot = run(3)
+            for n in range(4, 30):
+                run(n)
+                torch.testing.assert_close(run(3), hot)
+                assert executables.held_bytes() <= 6 * one + one
+            assert deferfuse.stats()["executables_evicted"] >= 15
+            assert deferfuse.stats()["compiles"] == 27   # (the hot graph never evicted)
+    engine.clear_cache()
+    assert executables.held_bytes() == 0
 
 
 def test_the_metadata_cache_is_bounded(monkeypatch):

@@ -169,7 +169,10 @@ def test_torchrun_script_unchanged(how, tmp_path):
     if how.startswith("-m"):
         command, env = head + ["-m", "deferfuse", "--mode", "defer", script], _env(True, DIST_SCRIPT_OUT=str(tmp_path))
     else:
-        command, env = head + [script], _env(True, TORCHTPU_MODE="defer", DIST_SCRIPT_OUT=str(tmp_path))
+        # (no exploration budget: a script this short runs at once as strict under the default
+        # settings, as the other case shows; this one checks the collectives deferred)
+        command, env = head + [script], _env(True, TORCHTPU_MODE="defer", DIST_SCRIPT_OUT=str(tmp_path),
+                                             DEFERFUSE_EXPLORE_SHARE="1")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=DEADLINE)
     except subprocess.TimeoutExpired:
@@ -178,7 +181,8 @@ def test_torchrun_script_unchanged(how, tmp_path):
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in reports:
         assert r["mode"] == "defer" and r["equal"], r
-        assert r["collectives"].get("c10d::allreduce_", 0) >= 2, r
+        if not how.startswith("-m"):
+            assert r["collectives"].get("c10d::allreduce_", 0) >= 2, r
 
 
 def test_storage_resize_inside_defer_computes_pending_reads_first():

@@ -92,7 +92,8 @@ def test_set_mode_defer_python_reads_of_a_written_plain_tensor():
     expected = torch.zeros(3).add_(torch.ones(3) * 2)
     p = torch.zeros(3)
     try:
-        with deferfuse.config.override(eager_segments=True):
+        # (explore_share 1: the default mode starts deferred, not at once as strict)
+        with deferfuse.config.override(eager_segments=True, explore_share=1.0):
             deferfuse.set_mode("defer")
             assert type(torch.utils._python_dispatch._get_current_dispatch_mode()).__name__ == "SegmentedDeferMode"
         p.add_(torch.ones(3) * 2)

@@ -28,10 +28,14 @@ class FakeClock:
 
 @pytest.fixture
 def clock(monkeypatch):
+    """A fake clock for the tier, and no exploration budget (explore_share 1: the default mode
+    starts deferred and the tier alternates from the first segment), which tests further down
+    test; compiles on the calling thread (a run at once is not timed while one is pending)."""
     fake = FakeClock()
     monkeypatch.setattr(blocks, "clock", fake)
     blocks.forget()
-    yield fake
+    with config.override(explore_share=1.0, background_compile=False):
+        yield fake
     blocks.forget()
     deferfuse.set_mode("strict")
 
@@ -56,8 +60,13 @@ def _decoding_loop(steps: int, clock: FakeClock | None = None, deferred_s: float
     return seen, cache
 
 
-def _segment_choice() -> blocks.BlockChoice:
+def _segment_choice(function=None) -> blocks.BlockChoice:
+    """The one place of reads starting segments, or the one in ``function``'s code (a read
+    elsewhere the deferred way never saw may have become a place too: Segments.discover)."""
     found = [c for c in blocks.choices() if "reads starting segments" in c.place]
+    if function is not None:
+        code = function.__code__
+        found = [c for c in found if any(f"{code.co_filename}:{line}" in c.place for _, _, line in code.co_lines())]
     assert len(found) == 1, [c.place for c in blocks.choices()]
     return found[0]
 
@@ -215,8 +224,11 @@ def test_mode_changes_while_a_segment_runs_at_once(clock):
             with deferfuse.defer():
                 assert modes.get_mode() is deferfuse.EagerMode.DEFER
                 assert (x + 1).sum().item() == pytest.approx(float(x.sum()) + 6, rel=1e-5)
+            # (a step, so that the segment running is the step read's again: the read inside the
+            # defer block above was new, and the deferred way went to see it, Segments.discover)
+            assert _step(x, 1, clock)
             counting = Counting()
-            choice = _segment_choice()
+            choice = _segment_choice(_step)
             with counting:
                 # (the segment ending inside a user's mode chooses to run deferred next: the
                 # default mode stays off the stack rather than come back above the user's mode)

@@ -55,7 +55,8 @@ def test_backward_and_optimizer_ops_name_the_lines_that_ran_them():
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     x = torch.randn(16, 8)
     for _ in range(2):   # (the second time the ops are seen before, so all are recorded)
-        with deferfuse.defer():
+        # (span="block": the step's ops stay pending past its end, to be looked at)
+        with deferfuse.defer(span="block"):
             opt.zero_grad(set_to_none=True)
             loss = model(x).square().mean()
             loss.backward(); line_backward = _here()   # noqa: E702

@@ -17,9 +17,11 @@ at known calls, whatever this machine's load:
   new), then alternately at once (as strict) and deferred; ``"deferred"``: every call deferred,
   what a place that chose deferred runs (eager_blocks off, the one setting off the defaults).
 
-Two more settings differ from the defaults, both for determinism: the disk cache is off (an
-executable found on disk would skip the eager replays) and so is autotune_engine (its engine
-choice is made on this machine's timings).
+Three more settings differ from the defaults, all for determinism: the disk cache is off (an
+executable found on disk would skip the eager replays), so is autotune_engine (its engine
+choice is made on this machine's timings), and the block tier has no exploration budget
+(explore_share 1: a new place runs deferred from its first call, so that the tiers above happen
+at known calls; tests/test_blocks.py tests the budget).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class UserDefaults:
         self.block_tier = block_tier
         self.settings = {name: s.default for name, s in config.settings().items()}
         self.settings.update(cache_dir="", autotune_engine=False,
-                             eager_blocks=block_tier == "measuring")
+                             eager_blocks=block_tier == "measuring", explore_share=1.0)
         self._ticks = itertools.count()
 
     def clock(self) -> float:

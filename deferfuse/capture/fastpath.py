@@ -84,6 +84,7 @@ class FastPathMixin:
         node = graph.Node(op, args, kwargs, outs, key, source, entry, inputs, scalars)
         value = graph.Value(node, 0, outs[0])
         node.out_refs = (weakref.ref(value),)
+        self.last_node = node
         return value
 
     def _convert_fast(self, form: "FastForm", args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -178,8 +179,8 @@ class FastPathMixin:
             value = self._fast_node(form.functional, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
             self.write(target, value, target_meta)
             result = target
-        if self.pending_nodes > self.max_pending:
-            self.flush_all(FlushReason.NODE_LIMIT)
+        if self.pending_nodes > self.check_at:
+            self.at_bound()
         return result
 
     def _view_fast(self, func, form: "FastForm", args: tuple, kwargs: dict) -> Any:

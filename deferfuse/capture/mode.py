@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
-from ..debugging.source import forget_frames, user_line_from
+from ..debugging.source import forget_frames, is_internal, user_line_from
 from ..stats import STATS
 from . import meta as meta_
 from . import patches
@@ -116,8 +116,10 @@ def _segment_dispatch(self, func, types, args=(), kwargs=None):
         return result
     flushed = STATS.flushes["item"]
     result = _defer_dispatch(self, func, types, args, kwargs)
-    if STATS.flushes["item"] != flushed:   # (a read of a value already computed is no boundary)
+    if STATS.flushes["item"] != flushed:
         segments.observed(recorder, place)
+    else:   # (a read of a value already computed is no boundary)
+        segments.note_read(place)
     return result
 
 
@@ -140,6 +142,9 @@ class SegmentedDeferMode(DeferMode):
     def __init__(self, segments) -> None:
         super().__init__()
         self.recorder.segments = segments
+        # a program starts at once, as strict, until its first boundary, or until it may run
+        # deferred to find one (Segments.may_discover)
+        self.recorder.at_once_segment = not segments.may_discover()
         self.suspended = False
         self._left: tuple = (0, None)   # the dispatch stack when suspended: (depth, top)
 
@@ -150,6 +155,7 @@ class SegmentedDeferMode(DeferMode):
         result = super().__enter__()
         READ_PATCHES.hold()
         SEGMENT_READS.mode = self
+        self.settle()   # (off the stack again at once when it comes back inside a segment at once)
         return result
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -164,15 +170,32 @@ class SegmentedDeferMode(DeferMode):
         return super().__exit__(exc_type, exc_value, traceback)
 
     def after_read(self, frame) -> None:
-        """Python code read a tensor's value (a wrapper of READ_PATCHES, after the read)."""
+        """Python code read a tensor's value (a wrapper of READ_PATCHES, after the read).  Only
+        a read made by the user's code can end a segment running at once: one inside torch (an
+        optimizer reading its step counter) is never a boundary."""
         recorder = self.recorder
         if not recorder.active:
             return
-        if self.suspended:
+        if is_internal(frame.f_code):
+            self.settle()
+            return
+        segments = recorder.segments
+        if not self.suspended:
+            # (a read that flushed ended its segment in _segment_dispatch; one of memory already
+            # computed is no boundary)
             place = user_line_from(frame)
-            segments = recorder.segments
-            if segments.starts_segments(place):
-                segments.observed(recorder, place)
+            if not segments.starts_segments(place):
+                segments.note_read(place)
+            self.settle()
+            return
+        place = user_line_from(frame)
+        if segments.starts_segments(place):
+            segments.observed(recorder, place)
+        elif segments.is_new_read(place) and segments.may_discover():
+            # a read the deferred way has never seen (the program moved on: generate() after
+            # training, say): run deferred until the next read that flushes, to learn whether
+            # it is a boundary (Segments.discover)
+            segments.discover(recorder)
         self.settle()
 
     def settle(self) -> None:

@@ -81,7 +81,8 @@ def _plain_state(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """The optimizer step post-hook: the state tensors this step made, plain.  Only a step run
     under defer makes deferred state, so a step run otherwise (strict, or a block run at once)
     does not walk the state."""
-    if _active_recorder() is None:
+    recorder = _active_recorder()
+    if recorder is None or recorder.at_once_segment:
         return
     for state in optimizer.state.values():
         for key, value in state.items():

@@ -86,6 +86,15 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         self.pending_nodes = 0
         self.record_source = config.get("record_source")
         self.max_pending = config.get("max_pending_nodes")
+        # step boundaries (capture/steps.py): a program ends at an optimizer step's end, and a
+        # loop with no optimizer is cut where it comes round (its anchor: (place, op))
+        self.step_boundaries = config.get("step_boundaries")
+        self.program_nodes = config.get("program_nodes") if self.step_boundaries else 0
+        self.whole_blocks = 0          # open ``defer(span="block")`` blocks: no cuts inside
+        self.loop_anchor: Optional[tuple] = None
+        self.cut_at = 0                # the id of the last node recorded before the last cut
+        self.last_node: Optional[graph.Node] = None
+        self.check_at = self._bound()   # pending_nodes past which at_bound() runs (-1: every op)
         shortcuts = config.shortcuts()
         self.eager_unseen = shortcuts.unseen_ops_at_once
         self.eager_lone = shortcuts.lone_ops_at_once
@@ -109,7 +118,10 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         """A new pending node; returns its output Values."""
         self.pending_nodes += 1
         source = user_line() if self.record_source else None
-        return graph.emit(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
+        values = graph.emit(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
+        if values:   # (an op with no outputs, unbind of an empty dim, ends no loop)
+            self.last_node = values[0].node
+        return values
 
     def _real(self, t: torch.Tensor) -> tuple[StorageState, TensorMeta]:
         """The state and metadata of a plain tensor, remembered for this context by the tensor
@@ -345,8 +357,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
                 and opaque_in(args, kwargs):
             # (other kinds find an opaque argument when they convert it, before doing anything)
             result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.OPAQUE)
-            if self.pending_nodes > self.max_pending:
-                self.flush_all(FlushReason.NODE_LIMIT)
+            if self.pending_nodes > self.check_at:
+                self.at_bound()
             return result
         if info.composite_implicit:
             # Reaches us only from inside a decomposition (autograd handles it above us
@@ -377,8 +389,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
             # an opaque argument (of a view, or found by the fast path) or result (a sparse
             # gradient from dense inputs): the storage model has nothing to say
             result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.OPAQUE)
-        if self.pending_nodes > self.max_pending:
-            self.flush_all(FlushReason.NODE_LIMIT)
+        if self.pending_nodes > self.check_at:
+            self.at_bound()
         return result
 
     def dispatch_kind(self, func, info, args, kwargs) -> Any:
@@ -514,3 +526,54 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         if states:
             flush.materialize_states(states, reason, self, everything=True, detail=detail)
         self.pending_nodes = 0
+        last = self.last_node
+        self.cut_at = -1 if last is None else last.id
+
+    # -- step boundaries (capture/steps.py) ----------------------------------------------------
+    def _bound(self) -> int:
+        """How many pending nodes may be recorded before ``at_bound`` must look."""
+        if self.loop_anchor is not None:
+            return -1
+        if self.program_nodes > 0 and not self.whole_blocks:
+            return min(self.max_pending, self.program_nodes)
+        return self.max_pending
+
+    def hold_whole_block(self, delta: int) -> None:
+        """A ``defer(span="block")`` block opened (+1) or closed (-1): no step cuts inside."""
+        self.whole_blocks += delta
+        self.check_at = self._bound()
+
+    def step_ended(self, place: Any) -> None:
+        """An optimizer's step() ended (``place``: the user's call of it): the step's program
+        ends here, and under the segment tier so does the segment."""
+        if self.loop_anchor is not None:
+            # (a loop with an optimizer: its steps bound it; no anchor needed)
+            self.loop_anchor = None
+            self.check_at = self._bound()
+        if self.segments is not None and not self.whole_blocks:
+            self.segments.observed(self, place, FlushReason.STEP)
+            self.mode.settle()
+        elif self.step_boundaries and not self.whole_blocks:
+            self.flush_all(FlushReason.STEP)
+
+    def at_bound(self) -> None:
+        """More nodes are pending than ``check_at``: past ``max_pending_nodes`` everything is
+        flushed; past ``program_nodes`` with no step boundary, the loop being recorded is cut
+        here, and from then on after each op where it comes round (its anchor)."""
+        if self.pending_nodes > self.max_pending:
+            self.flush_all(FlushReason.NODE_LIMIT)
+            return
+        if self.program_nodes <= 0 or self.whole_blocks:
+            self.check_at = self._bound()
+            return
+        last = self.last_node
+        anchor = self.loop_anchor
+        if anchor is not None and last is not None and last.op is anchor[1] and last.source == anchor[0]:
+            if last.id - self.cut_at >= self.program_nodes // 8:
+                self.flush_all(FlushReason.LOOP)
+        elif self.pending_nodes > self.program_nodes and last is not None:
+            # no boundary in a whole program's worth of ops: a loop with no optimizer (or a new
+            # one, its old anchor left behind); the op just recorded stands for its place in it
+            self.loop_anchor = (last.source, last.op)
+            self.check_at = -1
+            self.flush_all(FlushReason.LOOP)

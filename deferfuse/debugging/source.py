@@ -24,6 +24,12 @@ def _is_internal(code) -> bool:
     return internal
 
 
+def is_internal(code) -> bool:
+    """Whether ``code`` is deferfuse's, torch's, JAX's or contextlib's (not the user's)."""
+    internal = _IS_INTERNAL.get(code)
+    return _is_internal(code) if internal is None else internal
+
+
 def _user_frame():
     """The innermost frame outside deferfuse, torch and jax (None if there is none)."""
     return _first_user_frame(sys._getframe(2))

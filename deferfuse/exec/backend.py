@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from typing import Any
 
 from .. import config
 from .._lazy import lazy_import
@@ -88,6 +89,28 @@ def tune_malloc() -> bool:
     log.debug("deferfuse: malloc's mmap threshold %s MiB, trim threshold %s MiB: %s",
               _MMAP_THRESHOLD >> 20, _TRIM_THRESHOLD >> 20, "set" if done else "refused")
     return done
+
+
+def release_free_memory() -> None:
+    """Give the memory malloc holds free back to the system (glibc's malloc_trim), after a
+    compile: with malloc_tuning, freed memory otherwise stays mapped, and XLA's compiler frees
+    hundreds of MB (a GPT-2 training step's compile: 480 MB resident after it, against 46 MB
+    once trimmed).  Nothing off glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = False
+        import platform
+        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                import ctypes
+                _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                pass
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None   # glibc's malloc_trim, False where there is none
 
 
 def _prepare() -> None:

@@ -65,6 +65,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -84,6 +86,13 @@ UNSTEADY_UNTIMED = 3    # unsteady deferred runs not timed (first sightings, com
 DRIFT = 2.0             # a run this many times off the chosen way's median is an outlier ...
 DRIFT_FLOOR = 2e-4      # ... and this many seconds off it (a 0.1 ms block jitters by 2x)
 _MAX_PLACES = 4096      # the table is emptied past this many places
+
+FIRST_TRIAL_S = 0.1     # a first deferred run's cost over at once, before one was timed ...
+JAX_START_S = 0.5       # ... importing JAX and starting its client, where nothing has yet ...
+SYMPY_START_S = 0.2     # ... and the first metadata inference's imports
+# a background compile's share of the machine: it takes one core while the program runs on
+# the others (torch's kernels use every core)
+COMPILE_SHARE = 1.0 / max(1, os.cpu_count() or 1)
 
 clock = time.perf_counter   # (tests drive the tier with a fake clock)
 MEASURING = "measuring"     # a remembered record's phase while its place had not chosen yet
@@ -123,10 +132,21 @@ class BlockChoice:
 
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
-                 "remembered", "own")
+                 "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
+                 "compiling")
 
     def __init__(self, place: str, disk_place: Optional[str] = None) -> None:
         self.place = place
+        # the exploration budget: trying the deferred way may cost at most explore_share of
+        # the time this place has run (elapsed); spent is what the deferred runs cost over
+        # running at once (reference: recent runs at once) and the compiles they queued; trial
+        # is what the last deferred run cost over at once, the estimate for the next
+        self.elapsed = 0.0
+        self.spent = 0.0
+        self.trial: Optional[float] = None
+        self.reference: list[float] = []
+        self.compiled_seen = executables.compile_seconds()
+        self.compiling = False   # whether compiles were pending when the current run started
         self.disk_place = disk_place   # the place's stable text, where its choice is kept on disk
         self.remembered = False        # whether the choice in force came from an earlier process
         self.own: list[float] = []     # ... and this process's first runs of it
@@ -150,12 +170,48 @@ class BlockChoice:
 
     @property
     def runs_at_once(self) -> bool:
-        return self.phase is Phase.AT_ONCE or self.phase is Phase.MEASURE_AT_ONCE
-
-    def finished(self, seconds: float, steady: bool) -> None:
-        """A run of the block ended without an exception, after ``seconds``; ``steady`` says
-        whether a deferred run compiled nothing (runs at once are always steady)."""
+        """Whether the next run runs at once: as chosen, or while measuring, when it is the at
+        once run's turn or the deferred one's is not affordable yet (``may_try``)."""
         phase = self.phase
+        if phase is Phase.MEASURE_DEFERRED:
+            return not self.may_try()
+        return phase is Phase.AT_ONCE or phase is Phase.MEASURE_AT_ONCE
+
+    def may_try(self) -> bool:
+        """Whether a deferred run fits the exploration budget: what trying the deferred way has
+        cost so far, and what the next run is expected to cost over a run at once, within
+        explore_share of the time this place has run."""
+        share = config.get("explore_share")
+        if share >= 1.0:
+            return True
+        expected = self.trial if self.trial is not None else first_trial_estimate()
+        return self.spent + expected <= share * self.elapsed
+
+    def starting(self, at_once: bool) -> None:
+        """A run starts, ``at_once`` or deferred.  It will be timed at once only if no compile is
+        pending meanwhile; run deferred, it may start compiles only as far as the budget allows
+        (``executables.allow_compiles``): a compile is a bet that the compiled way will pay, and
+        a choice made on eager replays has not shown it yet."""
+        self.compiling = executables.compiles_pending()
+        allowance = None
+        if not at_once and config.get("explore_share") < 1.0:
+            left = config.get("explore_share") * self.elapsed - self.spent - (self.trial or 0.0)
+            allowance = max(0.0, left) / COMPILE_SHARE
+        executables.allow_compiles(allowance)
+
+    def finished(self, seconds: float, steady: bool, at_once: Optional[bool] = None) -> None:
+        """A run of the block ended without an exception, after ``seconds``; ``steady`` says
+        whether a deferred run compiled nothing (runs at once are always steady); ``at_once``:
+        how it ran (by default, as its phase says)."""
+        phase = self.phase
+        if at_once is None:
+            at_once = phase is Phase.AT_ONCE or phase is Phase.MEASURE_AT_ONCE
+        executables.allow_compiles(None)
+        self._account(seconds, at_once)
+        if phase is Phase.MEASURE_DEFERRED and at_once:
+            return   # (waiting for the budget: a run at once, counted as a reference only)
+        if phase is Phase.MEASURE_AT_ONCE and (self.compiling or executables.compiles_pending()):
+            return   # (a compile took a core meanwhile: not timed; the next runs at once again)
         if phase is Phase.MEASURE_DEFERRED:
             if not steady:
                 self.unsteady += 1
@@ -186,6 +242,23 @@ class BlockChoice:
                     self.median = _median(self.own[UNSTEADY_UNTIMED:])
             elif steady:
                 self._watch_for_drift(seconds)
+
+    def _account(self, seconds: float, at_once: bool) -> None:
+        """The budget's books after a run: its time, and what a deferred run (with the compiles
+        finished since the last run, a share of them: they took one core of the machine's)
+        cost over the recent runs at once."""
+        self.elapsed += seconds
+        compiled = executables.compile_seconds()
+        self.spent += (compiled - self.compiled_seen) * COMPILE_SHARE
+        self.compiled_seen = compiled
+        if at_once:
+            self.reference.append(seconds)
+            if len(self.reference) > SAMPLES:
+                del self.reference[0]
+        elif self.reference:
+            excess = max(0.0, seconds - _median(self.reference))
+            self.spent += excess
+            self.trial = excess
 
     def _measured(self) -> None:
         """After a timed run: the next goes the other way.  Once both ways have SAMPLES runs,
@@ -288,18 +361,15 @@ class BlockChoice:
 
 
 _PLACES: dict[Any, BlockChoice] = {}
-COMPILE_WAIT_S = 30.0   # the longest a run measured at once waits for background compiles
+_READS: set = set()   # segment keys of reads that ran deferred without flushing (no boundaries)
 
 
-def before_run(choice: BlockChoice) -> None:
-    """Before a block or segment starts: a run to be timed at once first waits for the compiles
-    that earlier deferred runs queued on the background thread.  Compiling takes a core, and on a
-    machine with two, the run at once timed beside it measured as slow as the deferred runs
-    that queued it (generate() of the zoo's Llama under the default mode: 114 ms a decoding
-    step at once against 102 deferred, while each deferred step compiled new shapes; 2 ms at
-    once with no compile running), and the place chose deferred, compiling on for good."""
-    if choice.phase is Phase.MEASURE_AT_ONCE and executables.compiles_pending():
-        executables.wait_for_compiles(COMPILE_WAIT_S)
+def first_trial_estimate() -> float:
+    """What a place's first deferred run is expected to cost over a run at once, before it has
+    had one: its ops' metadata inferred, its graph replayed, and in a process that has not yet,
+    importing JAX (0.4 s here) and what torch's meta kernels import (sympy: 0.2 s)."""
+    return FIRST_TRIAL_S + (0.0 if "jax" in sys.modules else JAX_START_S) \
+        + (0.0 if "sympy" in sys.modules else SYMPY_START_S)
 
 
 
@@ -342,6 +412,7 @@ def choices() -> list[BlockChoice]:
 def forget() -> None:
     """Every place measures again (reset_stats() does not call this; tests do)."""
     _PLACES.clear()
+    _READS.clear()
 
 
 def describe_all() -> Optional[str]:
@@ -382,49 +453,87 @@ class Segments:
     The recorder calls ``observed`` after each boundary read; the segment that ended is timed,
     the next one's way is chosen."""
 
-    __slots__ = ("choice", "started", "unsteady")
+    __slots__ = ("choice", "started", "unsteady", "way", "created")
 
     def __init__(self) -> None:
         self.choice: Optional[BlockChoice] = None
         self.started = 0.0
         self.unsteady = 0
+        self.way = False   # whether the segment running now was started at once
+        self.created = clock()
+
+    def note_read(self, place: Any) -> None:
+        """A read at ``place`` ran deferred and did not flush: no boundary."""
+        key = _segment_key(place)
+        if key not in _READS:
+            if len(_READS) >= _MAX_PLACES:
+                _READS.clear()
+            _READS.add(key)
+
+    @staticmethod
+    def is_new_read(place: Any) -> bool:
+        """Whether the deferred way has never run a read at ``place`` (boundary or not)."""
+        key = _segment_key(place)
+        return key not in _READS and key not in _PLACES
+
+    def discover(self, recorder: Any) -> None:
+        """End the segment running at once here, untimed (it ran into code its place does not
+        stand for), and run deferred until the next boundary, which the deferred way finds."""
+        if self.choice is not None and self.way:
+            STATS.blocks_run_at_once += 1
+        self.choice = None
+        self.way = recorder.at_once_segment = False
+        executables.allow_compiles(None)
+
+    def may_discover(self) -> bool:
+        """Before any boundary is known (no step has ended, no read has flushed), the default
+        mode runs at once; whether it may now run deferred, to find its boundaries: once the
+        program has run long enough that what a first deferred run costs (starting JAX, the
+        first metadata inference) is within explore_share of its time."""
+        share = config.get("explore_share")
+        return share >= 1.0 or (clock() - self.created) * share >= first_trial_estimate()
 
     @staticmethod
     def starts_segments(place: Any) -> bool:
         """Whether a read at ``place`` ends a segment (it flushed when its segment ran deferred)."""
         return _segment_key(place) in _PLACES
 
-    def observed(self, recorder: Any, place: Any) -> None:
-        """A value was read at ``place`` (a SourceLine); ``recorder``: the default mode's."""
+    def observed(self, recorder: Any, place: Any, reason: FlushReason = FlushReason.SYNC) -> None:
+        """A value was read at ``place`` (a SourceLine), or a step ended there (``reason``
+        STEP: capture/steps.py); ``recorder``: the default mode's."""
         choice = self.choice
         if not recorder.at_once_segment:
-            recorder.flush_all(FlushReason.SYNC)   # (the segment's work, all of it, in its time)
+            recorder.flush_all(reason)   # (the segment's work, all of it, in its time)
         if choice is not None:
             at_once = recorder.at_once_segment
-            if at_once == choice.runs_at_once:   # (not timed: a segment its choice could not run deferred)
-                choice.finished(clock() - self.started, at_once or unsteady_count() == self.unsteady)
+            if at_once == self.way:   # (not timed: a segment that could not run as chosen)
+                choice.finished(clock() - self.started, at_once or unsteady_count() == self.unsteady, at_once)
             if at_once:
                 STATS.blocks_run_at_once += 1
-        key = _segment_key(place)
+        # (a step's end and the reads inside the step, an optimizer's step.item(), share the
+        # user's line: keyed apart, so those reads never end a segment)
+        step = reason is FlushReason.STEP
+        key = _segment_key(place, "step" if step else "segment")
         choice = _PLACES.get(key)
         if choice is None:
             if len(_PLACES) >= _MAX_PLACES:
                 _PLACES.clear()
-            choice = _PLACES[key] = BlockChoice(f"{place} (reads starting segments)")
+            what = "steps ending" if step else "reads starting segments"
+            choice = _PLACES[key] = BlockChoice(f"{place} ({what})")
         self.choice = choice
-        recorder.at_once_segment = choice.runs_at_once   # (with nothing pending: flushed above)
-        before_run(choice)
+        self.way = recorder.at_once_segment = choice.runs_at_once   # (nothing pending: flushed above)
+        choice.starting(self.way)
         self.unsteady = unsteady_count()
         self.started = clock()
 
 
-def _segment_key(place: Any) -> tuple:
+def _segment_key(place: Any, kind: str = "segment") -> tuple:
     """A read's place (a SourceLine) as a segment's key: its file, function and line, not its
     bytecode offset.  CPython 3.11 reports a call to a C function (``bool(t)``) at the call's
     own instruction until the interpreter specializes it, and at the instruction before once it
     has: the same read, run deferred (a Python-level ``__bool__``) and at once, had two offsets,
     so a segment running at once never met its end and ran at once for good, unmeasured."""
     if place is None:
-        return ("segment", None)
+        return (kind, None)
     code = place.code
-    return ("segment", code.co_filename, code.co_firstlineno, place.line)
+    return (kind, code.co_filename, code.co_firstlineno, place.line)

@@ -15,6 +15,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from .. import config
@@ -35,7 +36,7 @@ log = logging.getLogger("deferfuse")
 class Compiled:
     """A compiled program: its executable, how many runtime scalars it takes, and its checks."""
 
-    __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower")
+    __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower", "nbytes")
 
     def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]],
                  lowered: Any = None) -> None:
@@ -49,6 +50,7 @@ class Compiled:
         # for an executable loaded from the disk cache: lowers its program again, on demand
         # (stablehlo()), so the StableHLO text is there without keeping the graph alive
         self.relower: Optional[Callable[[], Any]] = None
+        self.nbytes = KERNEL_BYTES   # its resident size, estimated (_store's byte bound)
 
 
 # Executables by signature, least recently used first.  Bounded twice: by count
@@ -61,14 +63,29 @@ class Compiled:
 # the process holds more than MAPPING_SHARE of its limit after a store, the oldest executables go,
 # a quarter of the cache at a time, until it holds less.  An evicted signature that comes back is
 # loaded from the disk cache, or compiled again.
+#
+# And bounded in bytes (executable_cache_bytes).  What an executable holds resident is mostly
+# per kernel, not its code: a GPT-2 training step's executable maps 369 anonymous code regions
+# (1.5 MB of code; its serialized form is 0.9 MB) and freeing it returned 47 MB, ~128 KiB a
+# kernel.  So an executable's size is taken as its kernels (the code regions its compile or
+# load mapped, counted in /proc/self/maps) times KERNEL_BYTES.
 _EXECUTABLES: "collections.OrderedDict[Any, Compiled]" = collections.OrderedDict()
 MAPPING_SHARE = 0.5
+KERNEL_BYTES = 128 << 10
+_HELD_BYTES = [0]   # the sizes of the executables in _EXECUTABLES, summed
 
 
 def _store(sig: Any, compiled: Compiled) -> None:
+    old = _EXECUTABLES.pop(sig, None)
+    if old is not None:
+        _HELD_BYTES[0] -= old.nbytes
     _EXECUTABLES[sig] = compiled
+    _HELD_BYTES[0] += compiled.nbytes
     limit = config.get("executable_cache_size")
     while limit > 0 and len(_EXECUTABLES) > limit:
+        _evict_oldest()
+    bound = config.get("executable_cache_bytes")
+    while bound > 0 and len(_EXECUTABLES) > 1 and _HELD_BYTES[0] > bound:
         _evict_oldest()
     budget = _mapping_budget()
     while budget is not None and len(_EXECUTABLES) > 1 and _mappings_in_use() > budget:
@@ -77,9 +94,29 @@ def _store(sig: Any, compiled: Compiled) -> None:
 
 
 def _evict_oldest() -> None:
-    evicted, _ = _EXECUTABLES.popitem(last=False)
+    evicted, compiled = _EXECUTABLES.popitem(last=False)
+    _HELD_BYTES[0] -= compiled.nbytes
     autotune.forget(evicted)
     STATS.executables_evicted += 1
+
+
+def held_bytes() -> int:
+    """The estimated resident size of the executables held in memory (see KERNEL_BYTES)."""
+    return _HELD_BYTES[0]
+
+
+def _code_regions() -> int:
+    """Anonymous executable regions mapped in this process (XLA's JIT-compiled kernels)."""
+    count = 0
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 5 and parts[1] == b"r-xp":
+                    count += 1
+    except OSError:
+        pass
+    return count
 
 
 def max_map_count() -> Optional[int]:
@@ -118,11 +155,52 @@ def lower_program(program: Program, input_avals: tuple, n_scalars: int) -> Any:
         return jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
 
 
-def compile_program(program: Program, input_avals: tuple, n_scalars: int) -> Compiled:
+# Wall seconds spent lowering and compiling, on any thread, and the ops of the programs compiled:
+# their ratio estimates a new program's compile time before it is queued (allow_compiles)
+_COMPILE_SECONDS = [0.0]
+_COMPILED_NODES = [0]
+COMPILE_S_PER_NODE = 3e-3   # the estimate before this process compiled enough to measure (a
+                            # GPT-2 training step: 1,274 ops in 3.9 s on a 2-core EPYC)
+
+
+def compile_seconds() -> float:
+    """Wall seconds this process has spent lowering and compiling programs (the block tier
+    charges a share of them to the places whose deferred runs queued them)."""
+    return _COMPILE_SECONDS[0]
+
+
+def compile_estimate(n_nodes: int) -> float:
+    """The seconds compiling a program of ``n_nodes`` ops is expected to take."""
+    nodes = _COMPILED_NODES[0]
+    rate = _COMPILE_SECONDS[0] / nodes if nodes >= 500 else COMPILE_S_PER_NODE
+    return n_nodes * rate
+
+
+class _Allowance(threading.local):
+    seconds: Optional[float] = None
+
+
+_ALLOWANCE = _Allowance()
+
+
+def allow_compiles(seconds: Optional[float]) -> None:
+    """How many seconds of compiling the flushes of this thread may start from now (None: no
+    limit).  The block tier (exec/blocks.py) sets it from its exploration budget before a
+    deferred run: a compile that does not fit is put off, and the graph replays eagerly."""
+    _ALLOWANCE.seconds = seconds
+
+
+def compile_program(program: Program, input_avals: tuple, n_scalars: int, n_nodes: int = 0) -> Compiled:
+    started = time.perf_counter()
     with profile_range("deferfuse.compile"):
         lowered = lower_program(program, input_avals, n_scalars)
         with x64():
             executable = lowered.compile()
+    _COMPILE_SECONDS[0] += time.perf_counter() - started
+    _COMPILED_NODES[0] += n_nodes
+    # (the compiler's working memory, hundreds of MB for a model's step, goes back to the
+    # system: malloc_tuning keeps freed memory mapped, for the executions' buffers)
+    backend.release_free_memory()
     STATS.compiles += 1
     return Compiled(executable, n_scalars, list(program.checks), lowered)
 
@@ -143,8 +221,10 @@ _WORKER: Optional[threading.Thread] = None
 _COMPILED_ONE = threading.Condition()   # notified whenever the worker finishes a signature
 
 
-def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int) -> Compiled:
-    compiled = compile_program(program, avals, n_scalars)
+def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int, n_nodes: int = 0) -> Compiled:
+    regions = _code_regions()
+    compiled = compile_program(program, avals, n_scalars, n_nodes)
+    compiled.nbytes = max(1, _code_regions() - regions) * KERNEL_BYTES
     compiled.signature = sig
     _store(sig, compiled)
     diskcache.save(sig, compiled.executable, n_scalars, compiled.checks)
@@ -156,10 +236,10 @@ def _background_worker() -> None:
         item = _QUEUE.get()
         if item is None:
             return
-        sig, program, avals, n_scalars, settings = item
+        sig, program, avals, n_scalars, n_nodes, settings = item
         try:
             with config.override(**settings):
-                _compile_and_store(sig, program, avals, n_scalars)
+                _compile_and_store(sig, program, avals, n_scalars, n_nodes)
             STATS.background_compiles += 1
         except Exception as exc:  # noqa: BLE001 - the eager path keeps working
             log.warning("deferfuse: background compilation failed; this graph keeps running eagerly: %s", exc)
@@ -184,7 +264,7 @@ def wait_for_compiles(timeout: Optional[float] = None) -> bool:
             lambda: not _COMPILING or _WORKER is None or not _WORKER.is_alive(), timeout)
 
 
-def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
+def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int, n_nodes: int) -> None:
     global _WORKER
     if sig in _COMPILING:
         return
@@ -198,7 +278,7 @@ def _schedule(sig: Any, make_program, avals: tuple, n_scalars: int) -> None:
     # settings go with it: config.override holds for one thread, and the compile, the executable
     # cache and the disk cache must follow the block's (its cache_dir, say), not the process's.
     settings = {name: config.get(name) for name in config.settings()}
-    _QUEUE.put((sig, make_program(), avals, n_scalars, settings))
+    _QUEUE.put((sig, make_program(), avals, n_scalars, n_nodes, settings))
 
 
 def _stop_worker() -> None:
@@ -227,9 +307,10 @@ def after_fork_in_child() -> None:
     _COMPILING.clear()
 
 
-def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optional[Compiled]:
+def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int, n_nodes: int = 0) -> Optional[Compiled]:
     """The executable for ``sig``, or None when this run should replay eagerly instead
-    (tiered execution: a new signature runs eagerly while it compiles)."""
+    (tiered execution: a new signature runs eagerly while it compiles, or until compiling it
+    fits this thread's allowance: ``allow_compiles``)."""
     compiled = _EXECUTABLES.get(sig)
     if compiled is not None:
         STATS.cache_hits += 1
@@ -248,22 +329,31 @@ def lookup(sig: Any, make_program, leaves: list[Value], n_scalars: int) -> Optio
     if compiled is not None:
         return compiled
     STATS.cache_misses += 1
+    allowance = _ALLOWANCE.seconds
+    if allowance is not None and sig not in _COMPILING:
+        estimate = compile_estimate(n_nodes)
+        if estimate > allowance:
+            STATS.compiles_put_off += 1
+            return None
+        _ALLOWANCE.seconds = allowance - estimate
     if shortcuts.background_compile:
         # it came back: compile it off the critical path, keep running eagerly meanwhile
-        _schedule(sig, make_program, leaf_avals(leaves), n_scalars)
+        _schedule(sig, make_program, leaf_avals(leaves), n_scalars, n_nodes)
         _SEEN[sig] = runs + 1
         return None
     _SEEN.pop(sig, None)
-    return _compile_and_store(sig, make_program(), leaf_avals(leaves), n_scalars)
+    return _compile_and_store(sig, make_program(), leaf_avals(leaves), n_scalars, n_nodes)
 
 
 def load_from_disk(sig: Any, make_program, avals: tuple, n_scalars: int) -> Optional[Compiled]:
     """The executable saved on disk for ``sig``, now also held in memory; None on a miss.  Its
     program is lowered again only if its StableHLO text is asked for."""
+    regions = _code_regions()
     loaded = diskcache.load(sig)
     if loaded is None:
         return None
     compiled = Compiled(*loaded)
+    compiled.nbytes = max(1, _code_regions() - regions) * KERNEL_BYTES
     compiled.signature = sig
     # (the program is made now, while the graph it reads is alive; tracing it waits)
     compiled.relower = functools.partial(lower_program, make_program(), avals, n_scalars)
@@ -306,4 +396,5 @@ def snapshot() -> list[Compiled]:
 def clear() -> None:
     """Forget the executables held in memory and the eager runs counted toward compiling."""
     _EXECUTABLES.clear()
+    _HELD_BYTES[0] = 0
     _SEEN.clear()

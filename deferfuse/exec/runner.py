@@ -28,7 +28,7 @@ def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = Non
     sig, make_program, leaves, scalars = program.build(nodes, outputs)
     if group_record is not None:
         group_record.signature = sig
-    compiled = executables.lookup(sig, make_program, leaves, len(scalars))
+    compiled = executables.lookup(sig, make_program, leaves, len(scalars), len(nodes))
     if compiled is None:
         return None
     sig = compiled.signature
