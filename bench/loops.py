@@ -1,0 +1,167 @@
+"""Training loops that log every N steps: strict against defer mode as users run it.
+
+    python -m bench.loops [--models mlp,llama,gpt2] [--periods 1,10,50,0] [--rounds 3]
+                          [--steps mlp=400,llama=100,gpt2=100] [--size small] [--long 4000]
+
+Each cell runs ``corpus/train_logging.py`` in a fresh process: strict (plain ``python``) and
+defer (``python -m deferfuse --mode defer``, every setting at its default, a fresh disk-cache
+folder per round so that nothing is warm), alternating round by round.  A period of 0 reads the
+loss only at the end.  For each cell: the loop's time (all steps, and the first 100), the
+compiles and distinct signatures (cache misses) defer mode made, and the peak resident memory of
+each.  ``--long N`` adds a run of the MLP for N steps, reading every 50, with its resident memory
+every 1,000 steps.  Results: bench/results/loops.json and a table (docs/performance.md, "Loops").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.harness import RESULTS_DIR, machine_info
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT = ROOT / "corpus" / "train_logging.py"
+DEFAULT_STEPS = {"mlp": 400, "llama": 100, "gpt2": 100}
+
+
+def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir: str,
+            extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One loop in a fresh process; its report, with its stdout (the losses it printed)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        report_path = f.name
+    args = [str(CLIENT), "--model", model, "--period", str(period), "--steps", str(steps),
+            "--size", size, "--report", report_path]
+    if mode == "strict":
+        command = [sys.executable, *args]
+    else:
+        command = [sys.executable, "-m", "deferfuse", "--mode", "defer", *args]
+    env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache_dir, **(extra_env or {}))
+    env.pop("TORCHTPU_MODE", None)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    with open(report_path) as f:
+        report = json.load(f)
+    os.unlink(report_path)
+    report["stdout"] = done.stdout
+    return report
+
+
+def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds of one cell's figures."""
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+    ends = [r["step_ends"] for r in reports]
+    first = [e[min(99, len(e) - 1)] for e in ends]
+    out = {"total_s": med([e[-1] for e in ends]), "first100_s": med(first),
+           "peak_rss_mib": med([r["peak_rss_mib"] for r in reports]),
+           "totals": [e[-1] for e in ends]}
+    stats = [r.get("stats") for r in reports if r.get("stats")]
+    if stats:
+        out["compiles"] = max(s["compiles"] for s in stats)
+        out["signatures"] = max(s["cache_misses"] for s in stats)
+        out["flushes"] = stats[0]["flushes"]
+    return out
+
+
+def measure(models: list[str], periods: list[int], rounds: int, steps: dict[str, int],
+            size: str) -> list[dict[str, Any]]:
+    rows = []
+    for model in models:
+        for period in periods:
+            runs: dict[str, list] = {"strict": [], "defer": []}
+            for k in range(rounds):
+                order = ("strict", "defer") if k % 2 == 0 else ("defer", "strict")
+                for mode in order:
+                    with tempfile.TemporaryDirectory() as cache:
+                        runs[mode].append(run_one(model, period, steps[model], size, mode, cache))
+            same = all(r["stdout"] == runs["strict"][0]["stdout"] for r in runs["defer"])
+            row = {"model": model, "period": period, "steps": steps[model],
+                   "strict": summary(runs["strict"]), "defer": summary(runs["defer"]),
+                   "same_losses": same}
+            if not same:
+                row["losses"] = {"strict": runs["strict"][0]["stdout"], "defer": runs["defer"][0]["stdout"]}
+            rows.append(row)
+            print(line(row), flush=True)
+    return rows
+
+
+def long_run(steps: int, size: str) -> dict[str, Any]:
+    out = {}
+    for mode in ("strict", "defer"):
+        with tempfile.TemporaryDirectory() as cache:
+            report = run_one("mlp", 50, steps, size, mode, cache)
+        out[mode] = {"total_s": report["step_ends"][-1], "rss_mib_every_100": report["rss_mib_every_100"],
+                     "peak_rss_mib": report["peak_rss_mib"]}
+    print(f"long run, mlp, {steps} steps, read every 50: strict {out['strict']['total_s']:.2f} s, "
+          f"defer {out['defer']['total_s']:.2f} s; resident MiB every 1,000 steps: strict "
+          f"{out['strict']['rss_mib_every_100'][9::10]}, defer {out['defer']['rss_mib_every_100'][9::10]}")
+    return out
+
+
+def _period(p: int) -> str:
+    return "end" if p == 0 else str(p)
+
+
+def line(row: dict[str, Any]) -> str:
+    s, d = row["strict"], row["defer"]
+    return (f"{row['model']:>6} every {_period(row['period']):>3}: strict {s['total_s']:7.2f} s "
+            f"(first 100 {s['first100_s']:6.2f}) {s['peak_rss_mib']:6.0f} MiB | defer {d['total_s']:7.2f} s "
+            f"(first 100 {d['first100_s']:6.2f}) {d['peak_rss_mib']:6.0f} MiB, {d.get('compiles')} compiles, "
+            f"{d.get('signatures')} signatures | defer/strict time {d['total_s'] / s['total_s']:.2f}x, "
+            f"first 100 {d['first100_s'] / s['first100_s']:.2f}x, memory {d['peak_rss_mib'] - s['peak_rss_mib']:+.0f} MiB"
+            + ("" if row["same_losses"] else " | LOSSES DIFFER"))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = ["| model | read every | steps | strict s (first 100) | defer s (first 100) | defer / strict (first 100) "
+           "| compiles (signatures) | peak MiB strict / defer | losses |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, d = r["strict"], r["defer"]
+        out.append(f"| {r['model']} | {_period(r['period'])} | {r['steps']} | {s['total_s']:.2f} ({s['first100_s']:.2f}) "
+                   f"| {d['total_s']:.2f} ({d['first100_s']:.2f}) | {d['total_s'] / s['total_s']:.2f}x "
+                   f"({d['first100_s'] / s['first100_s']:.2f}x) | {d.get('compiles')} ({d.get('signatures')}) "
+                   f"| {s['peak_rss_mib']:.0f} / {d['peak_rss_mib']:.0f} | {'same' if r['same_losses'] else 'differ'} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,llama,gpt2")
+    parser.add_argument("--periods", default="1,10,50,0")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", default="", help="e.g. mlp=400,llama=100")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--long", type=int, default=0, help="also run the MLP this many steps")
+    parser.add_argument("--name", default="loops")
+    args = parser.parse_args(argv)
+    steps = dict(DEFAULT_STEPS)
+    for part in filter(None, args.steps.split(",")):
+        name, value = part.split("=")
+        steps[name] = int(value)
+    models = args.models.split(",")
+    for m in models:
+        steps.setdefault(m, 100)
+    rows = measure(models, [int(p) for p in args.periods.split(",")], args.rounds, steps, args.size)
+    result: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds, "size": args.size, "rows": rows}
+    if args.long:
+        result["long"] = long_run(args.long, args.size)
+    print()
+    print(table(rows))
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{args.name}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwritten: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

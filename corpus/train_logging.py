@@ -1,0 +1,81 @@
+"""A training loop that logs its loss every N steps, the way most scripts do.
+
+    python corpus/train_logging.py [--model mlp|llama|gpt2|...] [--period N] [--steps S]
+                                   [--size tiny|small] [--report PATH]
+
+``--period 0`` reads the loss only at the end.  The model is the 64 -> 256 -> 256 -> 1 MLP
+(LayerNorm, GELU) of issue 40, or a model of the zoo (bench/zoo_models.py) at ``--size``;
+AdamW.  Plain PyTorch: run it under ``TORCHTPU_MODE=defer python -m deferfuse`` to defer it.
+``--report`` writes the loop's own timings and peak memory as JSON (bench/loops.py reads it).
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def build(name: str, size: str):
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 256),
+                              nn.GELU(), nn.Linear(256, 1))
+        x, y = torch.randn(32, 64), torch.randn(32, 1)
+        return model, lambda step: nn.functional.mse_loss(model(x), y)
+    from bench import zoo_models as zoo
+    spec = zoo.MODELS[name]
+    model = spec.make(size)
+    generator = torch.Generator().manual_seed(1)
+    batches = [spec.batch(size, generator) for _ in range(4)]
+    return model, lambda step: zoo.loss_of(model, spec, batches[step % len(batches)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--period", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--report")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, loss_of = build(args.model, args.size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ends, rss = [], []
+    started = time.perf_counter()
+    for step in range(args.steps):
+        loss = loss_of(step)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if args.period and step % args.period == 0:
+            print(step, f"{loss.item():.4f}")
+        ends.append(time.perf_counter() - started)
+        if (step + 1) % 100 == 0:
+            rss.append(round(rss_mib(), 1))
+    print("final", f"{loss.item():.4f}")
+    if args.report:
+        report = {"step_ends": ends, "rss_mib_every_100": rss,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        deferfuse = sys.modules.get("deferfuse")
+        if deferfuse is not None:
+            stats = deferfuse.stats()
+            report["stats"] = {k: stats[k] for k in ("compiles", "cache_misses", "cache_hits",
+                                                     "disk_cache_hits", "flushes", "blocks_run_at_once")}
+        with open(args.report, "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
