@@ -191,7 +191,7 @@ _declare("check_nans", bool, False,
 class _State(threading.local):
     def __init__(self) -> None:
         self.overrides: list[dict[str, Any]] = []
-        self.shortcuts: tuple = (-1, None)   # (settings generation, Shortcuts) last derived here
+        self.shortcuts: tuple = (None, None)   # ((settings generation, deterministic), Shortcuts) last derived here
 
 
 _global_values: dict[str, Any] = {}
@@ -286,17 +286,29 @@ class Shortcuts:
 
 def shortcuts() -> Shortcuts:
     """The shortcuts the settings now in force (this thread's overrides too) give; derived again
-    only after a setting changed (asked several times per flush)."""
+    only after a setting changed (asked several times per flush).
+
+    ``torch.use_deterministic_algorithms(True)`` asks for the same bits on every run: every
+    shortcut is then off, as under ``always_compile``.  Where the work runs would otherwise
+    depend on timings (the block and segment tiers), on what the disk cache holds (a cold
+    process replays a new graph on torch's kernels, a warm one runs XLA's executable) and on
+    when a background compile finishes, and torch's kernels and XLA round differently
+    (docs/semantics.md, "Reproducibility")."""
     generation, derived = _state.shortcuts
-    current = _generation   # (read before deriving: a change meanwhile makes the next call derive again)
+    current = (_generation, _deterministic())   # (read before deriving: a change meanwhile makes the next call derive again)
     if generation != current:
-        derived = _derive_shortcuts()
+        derived = _derive_shortcuts(current[1])
         _state.shortcuts = (current, derived)
     return derived
 
 
-def _derive_shortcuts() -> Shortcuts:
-    if get("always_compile"):
+def _deterministic() -> bool:
+    import torch
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def _derive_shortcuts(deterministic: bool = False) -> Shortcuts:
+    if get("always_compile") or deterministic:
         return Shortcuts(True, False, False, False, False, False, False, 0, False, 0, False, False)
     first_runs = get("eager_first_runs")
     lone_on_torch = get("lone_op_on_torch")

@@ -39,6 +39,8 @@ class FlushReason(enum.Enum):
     ESCAPE = "escape"                  # a deferred tensor used after its context ended
     COLLECTIVE = "collective"          # a torch.distributed collective (capture/collectives.py)
     FOREIGN_WRITE = "foreign_write"    # a write into memory torch does not own (from_numpy, ...)
+    TRY_BLOCK = "try_block"            # inputs of an op that may raise, run at once inside a try
+    FOREIGN_CODE = "foreign_code"      # before code that reads memory itself (torch.jit, torch.export)
 
 
 class FallbackReason(enum.Enum):
@@ -78,3 +80,34 @@ class NonFiniteError(DebugCheckError, FloatingPointError):
 class OverlapError(DebugCheckError):
     """An op writes memory that one of its other inputs reads (torch raises RuntimeError for
     the cases it detects)."""
+
+
+# A flush that fails names the pending node whose op raised on the exception it raises (the
+# attribute below), so that the node leaves the pending graph and the error is raised once.
+FAILED_NODE = "deferfuse_failed_node"
+
+
+def failed_node(exc: BaseException):
+    """The pending node whose op raised ``exc`` in a flush, or None."""
+    return getattr(exc, FAILED_NODE, None)
+
+
+def mark_failed(exc: BaseException, node) -> BaseException:
+    """``exc``, marked as raised by ``node``'s op (see ``failed_node``)."""
+    try:
+        setattr(exc, FAILED_NODE, node)
+    except AttributeError:   # (an exception type with __slots__)
+        pass
+    return exc
+
+
+def raised_again(exc: BaseException) -> BaseException:
+    """A new exception of ``exc``'s type and message, for a read of a value whose op failed
+    (raising the same object again would chain its old traceback)."""
+    try:
+        again = type(exc)(*exc.args)
+    except Exception:  # noqa: BLE001 - an exception type with its own constructor
+        return exc
+    again.add_note("deferfuse: this value's op failed when it was computed earlier; reading "
+                   "it raises that error again")
+    return again

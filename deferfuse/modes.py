@@ -23,7 +23,7 @@ import threading
 from typing import Iterator, Optional, Union
 
 from . import config, processes
-from .capture import modules, steps
+from .capture import handlers, modules, patches, steps
 from .errors import FlushReason, ModeError
 from .exec import blocks
 from .stats import STATS
@@ -190,6 +190,7 @@ def _push(kind: EagerMode, segmented: bool = False) -> object:
     processes.install(active_recorder, reset_after_fork)
     modules.install(active_recorder)
     steps.install(active_recorder)   # (after modules': see capture/steps.py)
+    patches.install_numpy_reads()
     if kind is EagerMode.DEFER:
         handle = _start_defer(segmented)
     else:
@@ -265,6 +266,10 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
     block one program however many steps it holds, for a longer program on purpose.
     """
     target = parse_mode(m)
+    if target is EagerMode.DEFER:
+        # (arrays NumPy makes of torch's memory are known from the first defer block on, one
+        # the block tier runs at once included: capture/patches.NUMPY_READS)
+        patches.install_numpy_reads()
     if span not in SPANS:
         raise ModeError(f"span={span!r}: use 'step' (a program ends with each step) or 'block' "
                         f"(the whole block is one program)")
@@ -287,6 +292,9 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
                 pushed = _push(EagerMode.DEFER)
         elif not (live and live[-1][0] is EagerMode.DEFER):
             pushed = _push(EagerMode.DEFER)
+        if pushed is not None:
+            # (handlers around the with statement enclose every flush of the block)
+            pushed.recorder.scope = handlers.scope_of(_with_statement_frame())
     elif target is EagerMode.DEBUG:
         suspended = _suspend((EagerMode.DEFER,))
         if not (live and live[-1][0] is EagerMode.DEBUG):
@@ -362,6 +370,9 @@ def set_mode(m: ModeLike) -> None:
         processes.note_defer_at_once()
     elif target is not EagerMode.STRICT:
         _stack.default_handle = _push(target, segmented=config.shortcuts().segments_timed)
+        if target is EagerMode.DEFER:
+            # (handlers around the call that set the mode enclose the program it defers)
+            _stack.default_handle.recorder.scope = handlers.scope_of(sys._getframe(1))
 
 
 def reset_after_fork() -> None:

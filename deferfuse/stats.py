@@ -12,7 +12,7 @@ class Stats:
                  "dlpack_copies", "meta_cache_hits", "meta_cache_misses", "lowering_failures",
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
                  "eager_chosen", "unseen_ops_run", "lone_ops_run", "host_scalar_ops_run", "executables_evicted",
-                 "compiles_put_off", "blocks_run_at_once", "compiled_graphs", "compiled_partitions",
+                 "compiles_put_off", "raising_ops_run", "blocks_run_at_once", "compiled_graphs", "compiled_partitions",
                  "compiled_specializations", "compiled_fallbacks", "compiled_rule_calls", "collectives")
 
     def __init__(self) -> None:
@@ -45,6 +45,9 @@ class Stats:
         # compiles not started because they did not fit the block tier's exploration budget
         # (explore_share): the graph replayed eagerly instead
         self.compiles_put_off = 0
+        # ops that can raise on values (an index out of range) run at once inside a try block
+        # whose handler would catch their error (capture/handlers.py)
+        self.raising_ops_run = 0
         self.blocks_run_at_once = 0    # defer blocks run as strict where that was faster (eager_blocks)
         # torch.compile(backend="deferfuse") (deferfuse/compile/): fx graphs handed to it, XLA
         # partitions planned, concrete-shape specializations planned, ops run on torch between

@@ -142,6 +142,9 @@ class FastPathMixin:
         been recorded then but cached reads of the arguments, which it reuses."""
         if form.view:
             return self._view_fast(func, form, args, kwargs)
+        if form.functional is not None and args and type(args[0]) is DeferredTensor \
+                and args[0]._storage.poisoned is not None:
+            return NotImplemented   # (a write into a value whose op failed: record_mutation)
         converted = self._convert_fast(form, args, kwargs)
         if converted is None:
             return NotImplemented
@@ -149,7 +152,7 @@ class FastPathMixin:
         if form.functional is None:
             key = (form.name, key)
             entry = meta_.cached(key)
-            if entry is None or entry.lowering is None or entry.outs[0] is None:
+            if entry is None or entry.lowering is None or entry.outs[0] is None or entry.raises:
                 return NotImplemented
             STATS.ops_recorded += 1
             value = self._fast_node(func, vargs, vkw, entry.tensor_outs, key, entry, found, scalars)
@@ -169,7 +172,7 @@ class FastPathMixin:
             target_meta = key[0][0]
             key = (form.functional_name, key)
             entry = meta_.cached(key)
-            if entry is None or entry.lowering is None or len(entry.tensor_outs) != 1:
+            if entry is None or entry.lowering is None or len(entry.tensor_outs) != 1 or entry.raises:
                 return NotImplemented
             out = entry.tensor_outs[0]
             if form.overlap is not None and may_share_memory(target, args, kwargs):
@@ -209,7 +212,7 @@ class FastPathMixin:
             return NotImplemented
         out = entry.outs[0]
         state = base._storage
-        if out is None or out.dtype != state.dtype:
-            return NotImplemented
+        if out is None or out.dtype != state.dtype or state.contents is None and state.buffer is not None:
+            return NotImplemented   # (a view of a computed value is a real view: record_view)
         STATS.ops_recorded += 1
         return DeferredTensor(out, state, self)

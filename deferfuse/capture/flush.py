@@ -16,7 +16,7 @@ import torch
 
 from .. import engine
 from ..debugging.source import user_source
-from ..errors import FlushReason
+from ..errors import FlushReason, failed_node, raised_again
 from ..ir import graph
 from ..ir.graph import Node, StorageState, Value
 from ..stats import STATS
@@ -26,12 +26,15 @@ from .storage import STATES_BY_PTR, flat_meta, raw_data_ptr, snapshot_old_leaves
 
 
 def materialize_states(states: list[StorageState], reason: FlushReason, recorder: Any,
-                       everything: bool = False, detail: Optional[str] = None) -> None:
+                       everything: bool = False, detail: Optional[str] = None,
+                       checked: Optional[list[Value]] = None) -> None:
     """Compute the contents of ``states`` and write them into their buffers (``everything``:
     they are all that is pending, so there is nothing to widen the flush to; ``detail``: what
-    explain() says after the reason, such as the collective that flushed)."""
+    explain() says after the reason, such as the collective that flushed; ``checked``: values
+    of ops that check values, computed for their checks even where nothing reads them)."""
     states = [s for s in states if s.contents is not None]
-    if not states:
+    checked = [v for v in checked if v.result is None] if checked else []
+    if not states and not checked:
         return
     snapshot, nodes = False, None
     if recorder is not None:
@@ -44,15 +47,24 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
                 flatten_detached(s)
                 nodes = None   # (a new node to compute)
             targets.append(s.contents[1])
-        if nodes is None:
+        if checked:
+            nodes = graph.ancestors(targets + checked)
+        elif nodes is None:
             nodes = graph.ancestors(targets)
         all_states = states
-        to_compute = [v for v in targets if v.result is None]
+        to_compute = [v for v in targets if v.result is None] + checked
         trigger = user_source() if recorder is None or recorder.record_source else None
         # (whether this flush computes a target's result: then the memory is its own to adopt)
         fresh_results = [v.result is None for v in targets]
         why = reason.value if detail is None else f"{reason.value} {detail}"
-        computed = iter(engine.execute(nodes, to_compute, why, trigger, on_lone=meta_.mark_lone) if to_compute else [])
+        try:
+            computed = iter(engine.execute(nodes, to_compute, why, trigger, on_lone=meta_.mark_lone)
+                            if to_compute else [])
+        except Exception as exc:
+            failed = failed_node(exc)
+            if failed is not None and recorder is not None:
+                poison(failed, exc, states + recorder.pending_states(), recorder)
+            raise
         results = [(next(computed), True) if fresh else (v.result, False)
                    for v, fresh in zip(targets, fresh_results)]
         adopted: set[int] = set()
@@ -249,6 +261,50 @@ def flatten_detached(s: StorageState) -> Value:
     (flat,) = graph.emit(graph.FLATTEN, (value, m), {}, (flat_meta(s),), (graph.FLATTEN, m))
     s.contents = ("flat", flat)
     return flat
+
+
+def poison(failed: Node, exc: BaseException, states: list[StorageState], recorder: Any = None) -> None:
+    """A flush raised ``exc`` from ``failed``'s op: the error reaches the user once, here, and
+    never comes back.  Every pending storage whose contents depend on that op leaves the pending
+    graph: one with memory of its own (a user's tensor, a parameter) drops the pending writes
+    that depend on it, as if they never ran, which is what strict leaves when the op raises
+    (writes of the same storage before them are kept where they were partial writes, dropped
+    with the rest where a write covered the whole storage); one without (a deferred result)
+    is *poisoned*: reading it raises the error again, writing all of it makes it a value again.
+    Pending work that does not depend on the op stays pending: the next flush computes it."""
+    states = [s for s in dict.fromkeys(states) if s.contents is not None]
+    checked = recorder.checked if recorder is not None else []
+    nodes = graph.ancestors([s.contents[1] for s in states] + [v for v in checked if v.result is None])
+    bad = {failed.id}
+    for node in nodes:   # (record order: a topological order)
+        if node.id in bad:
+            continue
+        for v in node.inputs:
+            if v.node.id in bad and v.result is None:
+                bad.add(node.id)
+                break
+    if checked:   # (checks of the failed op, or of ops that read its results: gone with them)
+        recorder.checked = [v for v in checked if v.node.id not in bad]
+    for s in states:
+        value = s.contents[1]
+        if value.node.id not in bad:
+            continue
+        if s.buffer is None:
+            s.contents = None
+            s.poisoned = exc
+        else:
+            while value.node.id in bad and value.node.op is graph.WRITE_VIEW:
+                value = value.node.args[0]   # (the flat contents before that write)
+            if value.node.id in bad or value.node.op is graph.INPUT:
+                s.contents = None            # (memory holds the contents before them all)
+            else:
+                s.contents = ("flat", value)
+        s.changed()
+
+
+def raise_poisoned(s: StorageState) -> None:
+    """Reading a storage whose op failed raises its error again."""
+    raise raised_again(s.poisoned)
 
 
 def _release(nodes: list[Node]) -> None:

@@ -24,7 +24,7 @@ import torch
 from ..ir.graph import RuntimeScalar
 from ..ir.meta import TensorMeta
 from ..lower import dtypes as _dtypes
-from ..lower.registry import Lowering, LoweringContext, OnTorch
+from ..lower.registry import Lowering, LoweringContext, OnTorch, raises_on_values
 from ..lower.table import get_lowering, get_shape_rule
 from ..stats import STATS
 from .dynamo_free import no_dynamo_import
@@ -37,6 +37,9 @@ class MetaEntry:
     lowering: Optional[Lowering]              # None: no usable lowering
     reason: Optional[str]                     # why there is none
     ctx: LoweringContext
+    # whether the lowering checks values at run time (an index out of range: it may raise
+    # there), lower/registry.raises_on_values
+    raises: bool = False
 
     @property
     def on_torch(self) -> bool:
@@ -160,9 +163,13 @@ def first_sighting(key: Any, site: Any) -> bool:
 def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> MetaEntry:
     """Metadata of ``op(*args, **kwargs)``, where tensors are given as TensorMeta.
 
-    Raises what torch raises for invalid calls (shape mismatch, bad dtype, ...).
+    Raises NoMeta for a call the meta kernel rejects, and for one with no meta kernel: the
+    recorder then runs it at once, where torch raises its own error for an invalid call.
     """
-    entry = _CACHE.get(key)
+    try:
+        entry = _CACHE.get(key)
+    except TypeError as unhashable:   # (symbolic sizes: code that traces with fake tensors)
+        raise NoMeta(str(op)) from unhashable
     if entry is not None:
         STATS.meta_cache_hits += 1
         if entry is _NO_META:
@@ -200,10 +207,13 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
         _remember(key, _NO_META)
         raise NoMeta(str(op)) from meta_error
     except Exception as meta_error:
-        if raise_as_torch_would(op, args, kwargs, meta_error):
-            _remember(key, _NO_META)
-            raise NoMeta(str(op)) from meta_error
-        raise
+        # A call the meta kernel rejects: a user's error (shapes that do not multiply), or a
+        # meta kernel stricter than the CPU kernel (pack_padded_sequence's wants its lengths on
+        # the CPU, and meta tensors are not).  Only the real kernel can say which: the call runs
+        # at once (the recorder's fallback), raising strict's own error, message and type, on
+        # the user's line, or computing what strict computes.
+        _remember(key, _NO_META)
+        raise NoMeta(str(op)) from meta_error
     if device.type == "cpu" and _writes_overlapping_memory(op, args, kwargs):
         _raise_as_the_cpu_kernel_does(op, args, kwargs)
     results = result if isinstance(result, (tuple, list)) else (result,)
@@ -227,7 +237,8 @@ def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Met
         reason = lowering.check(ctx)
         if reason is not None:
             lowering = None
-    entry = MetaEntry(outs, tensor_outs, lowering, reason, ctx)
+    entry = MetaEntry(outs, tensor_outs, lowering, reason, ctx,
+                      lowering is not None and raises_on_values(lowering.rule))
     _remember(key, entry)
     return entry
 
@@ -415,6 +426,47 @@ def _from_shape_rule(op: torch._ops.OpOverload):
     return correct
 
 
+def _channels_last(m: TensorMeta) -> bool:
+    """Whether ``m`` is laid out channels-last (4-D) or channels-last-3d (5-D), not contiguous."""
+    if len(m.shape) not in (4, 5) or m.is_contiguous:
+        return False
+    fmt = torch.channels_last if len(m.shape) == 4 else torch.channels_last_3d
+    return torch.empty_strided(m.shape, m.stride, device="meta").is_contiguous(memory_format=fmt)
+
+
+def _in_format(m: TensorMeta) -> TensorMeta:
+    """``m`` laid out channels-last (channels-last-3d for 5-D), as a fresh tensor would be."""
+    fmt = torch.channels_last if len(m.shape) == 4 else torch.channels_last_3d
+    t = torch.empty(m.shape, device="meta").contiguous(memory_format=fmt)
+    return m._replace(stride=tuple(t.stride()), offset=0)
+
+
+def _convolution_layout(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """A convolution's output: the CPU kernel (oneDNN, and the slow path) lays it out
+    channels-last when its input or its weight is (torch's mkldnn_conv_use_channels_last); the
+    meta kernel lays it out contiguous.  ``y.permute(0, 2, 3, 1).view(-1, C)`` of a channels-last
+    model's activations then raised under defer."""
+    x, w = args[0], args[1]
+    if not (isinstance(x, TensorMeta) and isinstance(w, TensorMeta)) or not (_channels_last(x) or _channels_last(w)):
+        return outs
+    return tuple(_in_format(o) if o is not None and len(o.shape) == len(x.shape) and o.numel > 1 else o for o in outs)
+
+
+def _convolution_backward_layout(outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """convolution_backward's gradients, laid out as the CPU kernel lays them: grad_input and
+    grad_weight channels-last where the forward's input or weight was."""
+    grad_output, x, w = args[0], args[1], args[2]
+    if not all(isinstance(t, TensorMeta) for t in (grad_output, x, w)) \
+            or not (_channels_last(x) or _channels_last(w) or _channels_last(grad_output)):
+        return outs
+    fixed = list(outs)
+    for i in (0, 1):   # (grad_input, grad_weight; the bias's gradient is 1-D)
+        o = fixed[i] if i < len(fixed) else None
+        if o is not None and len(o.shape) in (4, 5) and o.numel > 1:
+            fixed[i] = _in_format(o)
+    return tuple(fixed)
+
+
 # Meta kernels that run but disagree with the CPU kernel on output metadata, keyed by op, with
 # the function that gives the CPU kernel's.  torch says nothing about these in schemas or tags,
 # so they are listed; each was found by the OpInfo sweep (docs/conformance.md) or the model zoo
@@ -428,6 +480,8 @@ _CPU_CORRECTIONS = {
     # (CUDA's: bfloat16 only, a contiguous output; the CPU kernel pads its output's rows to 16
     # bytes, and runs float32 and float16 too: lower/grouped_mm.py)
     torch.ops.aten._grouped_mm.default: _from_shape_rule(torch.ops.aten._grouped_mm.default),
+    torch.ops.aten.convolution.default: _convolution_layout,
+    torch.ops.aten.convolution_backward.default: _convolution_backward_layout,
 }
 
 

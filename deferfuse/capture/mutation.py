@@ -15,6 +15,8 @@ import torch
 from torch._prims_common.wrappers import _maybe_resize_out
 
 from ..errors import FallbackReason, FlushReason
+from ..ir import graph
+from ..ir.graph import StorageState
 from ..ir.meta import TensorMeta
 from ..stats import STATS
 from . import meta as meta_
@@ -27,6 +29,31 @@ from .tensor import DeferredTensor
 from .trees import restructure, tensors_in, written_arguments
 
 aten = torch.ops.aten
+
+
+# In-place ops that write every element of their target whatever it held
+OVERWRITES = frozenset({torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar,
+                        torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default})
+
+
+def unpoison(state: StorageState) -> None:
+    """A poisoned storage (its op failed: capture/flush.poison) about to be written whole: it
+    holds zeros until then, which the write replaces."""
+    with no_dispatch():
+        zeros = torch.zeros(state.numel, dtype=state.dtype, device=state.device)
+    state.poisoned = None
+    state.contents = ("flat", graph.leaf(zeros))
+    state.changed()
+
+
+def computed_view_base(base: Any) -> bool:
+    """Whether ``base`` is a deferred tensor whose value is computed and plain to view: its
+    views are then real views, plain tensors (no lazy bits, a storage of its own dtype)."""
+    if type(base) is not DeferredTensor:
+        return False
+    state = base._storage
+    return state.contents is None and state.buffer is not None and state.poisoned is None \
+        and base._meta.dtype == state.dtype and not base._lazy_bits
 
 
 def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
@@ -164,6 +191,13 @@ class MutationMixin:
             conj, neg = base.is_conj(), base.is_neg()
             set_bits(view, conj != (func is aten._conj.default), neg != (func is aten._neg_view.default))
             return view
+        if computed_view_base(base) and not any(isinstance(t, DeferredTensor) for t in tensors_in(args[1:], kwargs)):
+            # A view of a value computed already (loss.detach() after loss.item()): the real
+            # view of its memory, a plain tensor as strict gives (the memory is handed out: a
+            # later flush writes the storage's new contents into it rather than swap it)
+            real = base._materialize(FlushReason.SYNC, exposes=True)
+            with no_dispatch():
+                return func(real, *args[1:], **kwargs)
         vargs, vkw, entry, key, inputs, scalars = self._entry(func, info, args, kwargs)
         state = base._storage if isinstance(base, DeferredTensor) else self.state_of_real(base)
         if any(o.dtype != state.dtype and not real_view_of(o.dtype, state.dtype, func, base)
@@ -178,6 +212,10 @@ class MutationMixin:
         return restructure(info, views)
 
     def record_mutation(self, func, info, args, kwargs) -> Any:
+        if args and type(args[0]) is DeferredTensor and args[0]._storage.poisoned is not None \
+                and func in OVERWRITES and args[0]._meta.covers_storage:
+            # (a value whose op failed, written whole: the write makes it a value again)
+            unpoison(args[0]._storage)
         twin = INPLACE_TWINS.get(id(func), UNKNOWN)
         if twin is UNKNOWN:
             twin = inplace_twin(func, info)
@@ -265,8 +303,8 @@ class MutationMixin:
             entry = meta_.infer(functional, key, margs, mkw)
         except meta_.NoMeta:
             return NotImplemented
-        if entry.lowering is None or len(entry.tensor_outs) != 1:
-            return NotImplemented
+        if entry.lowering is None or len(entry.tensor_outs) != 1 or entry.raises and self.raises_here(entry):
+            return NotImplemented   # (one that may raise inside a try: the general path runs it)
         out = entry.tensor_outs[0]
         if overlap is not None:
             check_no_partial_overlap([target], args, kwargs, overlap)

@@ -25,8 +25,10 @@ _OWN_DISPATCH: dict[type, bool] = {}
 
 def opaque(t: torch.Tensor) -> bool:
     """Whether the storage model cannot stand for ``t``'s memory: not dense and strided (sparse,
-    mkldnn, nested, quantized: its values are not its storage's elements in its dtype) or a
-    subclass that dispatches its ops itself.  DeferredTensors are never opaque."""
+    mkldnn, nested, quantized: its values are not its storage's elements in its dtype), an
+    efficient zero tensor (no memory at all: the zero tangents of ``torch.func.hessian``'s
+    forward-over-reverse) or a subclass that dispatches its ops itself.  DeferredTensors are
+    never opaque."""
     cls = type(t)
     if cls is not torch.Tensor and cls is not DeferredTensor:
         own = _OWN_DISPATCH.get(cls)
@@ -35,7 +37,7 @@ def opaque(t: torch.Tensor) -> bool:
                 getattr(cls, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl
         if own:
             return True
-    return t.layout is not torch.strided or t.is_nested or t.is_quantized
+    return t.layout is not torch.strided or t.is_nested or t.is_quantized or t._is_zerotensor()
 
 
 def opaque_in(args: tuple, kwargs: dict) -> bool:

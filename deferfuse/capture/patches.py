@@ -18,12 +18,14 @@ from typing import Any, Optional
 import torch
 from torch._prims_common.wrappers import _maybe_resize_out
 
+from ..debugging.source import is_internal
 from ..errors import FlushReason
 from . import flush
 from .collectives import suspended_for_foreign_code
+from .handlers import catches
 from .dispatch_keys import PYTHON_KEY, no_dispatch
 from .opaque import opaque
-from .storage import STATES_BY_PTR, untyped_storage
+from .storage import STATES_BY_PTR, note_torch_memory, show_to_numpy, untyped_storage
 from .tensor import DeferredTensor
 
 # The TorchDispatchMode whose recorder the wrappers look for (DeferMode), set by capture/mode.py.
@@ -40,8 +42,6 @@ def register_mode(mode_type: type) -> None:
 # tensor written inside the context has its new contents pending; these must see them.
 PLAIN_READS: dict[str, FlushReason] = {
     "tolist": FlushReason.TOLIST,
-    "numpy": FlushReason.NUMPY,
-    "__array__": FlushReason.NUMPY,
     "__repr__": FlushReason.REPR,
     "__format__": FlushReason.REPR,
     "data_ptr": FlushReason.DATA_PTR,
@@ -115,13 +115,69 @@ def _warning_at_caller(original, self, args, kwargs):
     return result
 
 
-def _reading(original, reason: Optional[FlushReason]):
+# Reads that hand the memory to NumPy (an array over it): wrapped for good once deferfuse first
+# pushes a mode (install_numpy_reads), blocks or not, so that every array over torch's memory
+# is known while it lives (storage.show_to_numpy): one made before a block, discarded or kept,
+# decides how the block reads that memory.  ~1 us a call outside blocks.
+NUMPY_READS = ("numpy", "__array__")
+_numpy_lock = threading.Lock()
+_numpy_installed = False
+
+
+def install_numpy_reads() -> None:
+    """Wrap torch.Tensor.numpy and __array__ (see NUMPY_READS), and torch.load (its tensors'
+    memory is torch's own, though not resizable: storage.note_torch_memory), once per process."""
+    global _numpy_installed
+    if _numpy_installed:
+        return
+    with _numpy_lock:
+        if not _numpy_installed:
+            for name in NUMPY_READS:
+                setattr(torch.Tensor, name, _reading(getattr(torch.Tensor, name), FlushReason.NUMPY,
+                                                      numpy_view=True))
+            torch.load = _loading(torch.load)
+            _numpy_installed = True
+
+
+def _loading(original):
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if not kwargs.get("mmap"):   # (a mapped file is the file's memory)
+            stack = [result]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, torch.Tensor):
+                    if type(item) is torch.Tensor or isinstance(item, torch.nn.Parameter):
+                        note_torch_memory(item)
+                elif isinstance(item, dict):
+                    stack.extend(item.values())
+                elif isinstance(item, (list, tuple)):
+                    stack.extend(item)
+        return result
+    return load
+
+
+def _reading(original, reason: Optional[FlushReason], numpy_view: bool = False):
+    if numpy_view:
+        plain = _reading(original, reason)
+
+        @functools.wraps(original)
+        def to_numpy(self, *args, **kwargs):
+            if type(self) is DeferredTensor or opaque(self):
+                return plain(self, *args, **kwargs)
+            return show_to_numpy(self, lambda: plain(self, *args, **kwargs))
+        return to_numpy
+
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         if reason is not None:
             write_back_before_read(self, reason)
         reads = SEGMENT_READS
-        if reads.mode is None:
+        mode = reads.mode
+        if mode is None or mode.suspended and is_internal(sys._getframe(1).f_code):
+            # (no default mode, or a segment at once and a read inside torch, an optimizer's
+            # step.item(), which can end no segment: the read alone, at strict's cost)
             if self.requires_grad:
                 return _warning_at_caller(original, self, args, kwargs)
             return original(self, *args, **kwargs)
@@ -160,6 +216,56 @@ def _out_written_after(original):
             return _write_out_after(original, args, kwargs)
         return original(*args, **kwargs)
     return function
+
+
+def _one_hot_checked(original):
+    """torch.nn.functional.one_hot: its C++ kernel checks the classes (``.min().item() >= 0``,
+    ``.max().item() < num_classes``) only on tensors it can read, not on a subclass such as a
+    deferred tensor, whose rows then came out all zeros where strict raises.  For a deferred
+    input the two checks are recorded (Recorder.check_values), or, where a handler in the
+    user's code would catch the error, the input is computed and torch checks it at once."""
+    @functools.wraps(original)
+    def one_hot(tensor, num_classes=-1):
+        recorder = recorder_on_stack() if type(tensor) is DeferredTensor else None
+        if recorder is not None and tensor.numel() > 0:
+            if catches(sys._getframe(1), (RuntimeError,), recorder.scope):
+                (tensor,) = recorder.realize((tensor,), FlushReason.TRY_BLOCK)
+            elif num_classes >= 0:
+                recorder.check_values((tensor >= 0).all(), RuntimeError, "Class values must be non-negative.")
+                recorder.check_values((tensor < num_classes).all(), RuntimeError,
+                                      "Class values must be smaller than num_classes.")
+        return original(tensor, num_classes)
+    return one_hot
+
+
+def _traced_as_in_strict(original, name: str):
+    """TorchScript's script/trace/save, torch.export's export/save, FX's symbolic_trace: machinery
+    that traces a module itself (fake tensors, its own dispatch modes) or serializes it from C++
+    (which reads parameter memory with no aten op).  Under defer mode it saved garbage (the
+    parameters' pending contents were never written) and export aborted the process.  It runs as
+    in strict: everything pending computed first, deferred arguments replaced by their memory,
+    and no dispatch mode on torch's stack while it runs."""
+    @functools.wraps(original)
+    def function(*args, **kwargs):
+        recorder = recorder_on_stack()
+        if recorder is None:
+            return original(*args, **kwargs)
+        recorder.flush_all(FlushReason.FOREIGN_CODE, detail=name)
+        args, kwargs = recorder.realize((args, kwargs), FlushReason.FOREIGN_CODE)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return original(*args, **kwargs)
+    return function
+
+
+def _tracers() -> list:
+    import torch.export
+    import torch.fx
+    found = [(torch.jit, n, _traced_as_in_strict(getattr(torch.jit, n), f"torch.jit.{n}"))
+             for n in ("script", "trace", "trace_module", "save", "freeze")]
+    found += [(torch.export, n, _traced_as_in_strict(getattr(torch.export, n), f"torch.export.{n}"))
+              for n in ("export", "save", "load")]
+    found.append((torch.fx, "symbolic_trace", _traced_as_in_strict(torch.fx.symbolic_trace, "torch.fx.symbolic_trace")))
+    return found
 
 
 def _with_memory(original):
@@ -279,6 +385,8 @@ class Patches:
 # C++ readers of memory see it computed.
 BLOCK_PATCHES = Patches(lambda: [
     (torch.linalg, "matrix_rank", _out_written_after(torch.linalg.matrix_rank)),
+    (torch.nn.functional, "one_hot", _one_hot_checked(torch.nn.functional.one_hot)),
+    *_tracers(),
     (torch.Tensor, "data", _data_property()),
     (torch.UntypedStorage, "resize_", _storage_resize(torch.UntypedStorage.resize_)), *_distributed_patches()])
 

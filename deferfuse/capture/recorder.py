@@ -40,6 +40,7 @@ what is pending; ``mode.py`` holds DeferMode, which hands ops to the Recorder.
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -51,11 +52,13 @@ from ..errors import FallbackReason, FlushReason
 from ..ir import graph
 from ..ir.graph import StorageState, Value
 from ..ir.meta import TensorMeta
+from ..lower.registry import VALUE_ERRORS
 from ..stats import STATS
 from . import flush
 from . import meta as meta_
 from .at_once import AtOnceMixin, computed_args
 from .classify import OpKind
+from .handlers import catches
 from .collectives import COLLECTIVE, CollectiveMixin
 from .dispatch_keys import no_dispatch
 from .fastpath import FastPathMixin
@@ -66,7 +69,7 @@ from .opfacts import ACTS_BEFORE_CONVERTING, FACTS, decomposition_of, grad_mode_
 from .patches import READ_PATCHES
 from .scalars import runtime_scalar, static_key
 from .sized import SIZED, STATIC
-from .storage import (PLAIN, PLAIN_CACHE_SIZE, STATES_BY_PTR, flat_buffer, flat_meta, foreign,
+from .storage import (PLAIN, PLAIN_CACHE_SIZE, STATES_BY_PTR, exposed, flat_buffer, flat_meta, foreign,
                       forget_dead_plain, raw_data_ptr, untyped_storage)
 from .tensor import DeferredTensor
 from .trees import restructure, undefined_where_masked
@@ -111,6 +114,12 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         self.sizing: set = set()      # data-dependent ops whose size rule is running
         self.guarding_reads = False   # this block holds READ_PATCHES (it wrote a plain tensor)
         self.foreign_written: list[StorageState] = []   # foreign memory an op wrote: landed after it
+        # outputs of pending ops that check values (an index out of range): each is computed by
+        # the next flush of everything even if nothing reads it, so its error is raised
+        self.checked: list[Value] = []
+        # where the defer scope was entered (handlers.scope_of): handlers around it do not make
+        # an op that may raise run at once (set by modes.py)
+        self.scope: Optional[tuple] = None
 
     # -- graph building ------------------------------------------------------------------------
     def _node(self, op: Any, args: tuple, kwargs: dict, outs: tuple[TensorMeta, ...], key: Any,
@@ -121,7 +130,25 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         values = graph.emit(op, args, kwargs, outs, key, source, lowering, inputs, scalars)
         if values:   # (an op with no outputs, unbind of an empty dim, ends no loop)
             self.last_node = values[0].node
+            if getattr(lowering, "raises", False):
+                self.checked.append(values[0])
         return values
+
+    def check_values(self, condition: torch.Tensor, error: type, message: str) -> None:
+        """Record that every element of ``condition`` must hold, or the flush computing it raises
+        ``error(message)`` naming the user's line: a check torch's kernel makes on values it
+        can read, which it skips for a tensor subclass such as a deferred tensor (one_hot's
+        classes: capture/patches.py).  Computed by the next flush of everything, read or not."""
+        value, m = self.read(condition)
+        (out,) = self._node(graph.VALUE_CHECK, (value, error, message), {}, (m,),
+                            (graph.VALUE_CHECK, error, message), inputs=(value,))
+        self.checked.append(out)
+
+    def raises_here(self, entry: Any) -> bool:
+        """Whether the op of ``entry`` can raise on its inputs' values and a handler in the
+        user's code would catch it here: then it runs at once, so the error is raised on its
+        line, inside the ``try`` (capture/handlers.py)."""
+        return entry.raises and catches(sys._getframe(2), VALUE_ERRORS, self.scope)
 
     def _real(self, t: torch.Tensor) -> tuple[StorageState, TensorMeta]:
         """The state and metadata of a plain tensor, remembered for this context by the tensor
@@ -142,7 +169,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         if len(PLAIN) >= PLAIN_CACHE_SIZE:
             PLAIN.clear()
         storage = untyped_storage(t)
-        ref = weakref.ref(t, lambda dead, key=key: forget_dead_plain(key, dead))
+        ref = weakref.ref(t, lambda dead, key=key, forget=forget_dead_plain: forget(key, dead))
         PLAIN[key] = (ref, state, m, storage.data_ptr(), storage.nbytes())
         return state, m
 
@@ -180,7 +207,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
                 self._forget_plain()
             numel = storage.nbytes() // t.element_size()
             state = StorageState(numel, t.dtype, t.device, buffer=flat_buffer(t, ptr, numel),
-                                 foreign=foreign(storage))
+                                 foreign=foreign(storage) or exposed(ptr))
             if ptr:
                 STATES_BY_PTR[ptr] = state
         self.real_states.add(state)
@@ -224,6 +251,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
                 state, m = self._real(t)
         if state.epoch != self.epoch:
             self._enter_epoch(state)
+        if state.poisoned is not None:
+            flush.raise_poisoned(state)
         value = state.reads.get(m)
         if value is None and state.foreign and state.contents is None:
             value = self._foreign_read(state, m)
@@ -275,6 +304,10 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
                 READ_PATCHES.hold()
         if state.epoch != self.epoch:
             self._enter_epoch(state)
+        if state.poisoned is not None:
+            if not m.covers_storage:
+                flush.raise_poisoned(state)   # (the rest of it has no value)
+            state.poisoned = None
         if value.meta.dtype != m.dtype:
             cast_meta = value.meta._replace(dtype=m.dtype)
             value = self._node(graph.CAST, (value, m.dtype), {}, (cast_meta,), (graph.CAST, m.dtype), inputs=(value,))[0]
@@ -376,19 +409,22 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
             if result is not NotImplemented:
                 STATS.ops_recorded -= 1
                 return result
+        fallback = None
         try:
             result = self.dispatch_kind(func, info, args, kwargs)
         except meta_.NoMeta:
             # raised by this op's own metadata inference, before anything was recorded for it
             # (ops it re-dispatches catch their own)
-            if info.dynamic:
-                result = self.run_eager(func, info, args, kwargs, FlushReason.DATA_DEPENDENT, FallbackReason.DATA_DEPENDENT)
-            else:
-                result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.NO_META)
+            fallback = (FlushReason.DATA_DEPENDENT, FallbackReason.DATA_DEPENDENT) if info.dynamic \
+                else (FlushReason.FALLBACK, FallbackReason.NO_META)
         except NoStorage:
             # an opaque argument (of a view, or found by the fast path) or result (a sparse
             # gradient from dense inputs): the storage model has nothing to say
-            result = self.run_eager(func, info, args, kwargs, FlushReason.FALLBACK, FallbackReason.OPAQUE)
+            fallback = (FlushReason.FALLBACK, FallbackReason.OPAQUE)
+        if fallback is not None:
+            # (outside the except: an error torch's kernel raises is the user's, with no
+            # deferfuse exception chained to it)
+            result = self.run_eager(func, info, args, kwargs, *fallback)
         if self.pending_nodes > self.check_at:
             self.at_bound()
         return result
@@ -449,6 +485,9 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         vargs, vkw, entry, key, inputs, scalars = found
         if entry.lowering is None and not entry.on_torch:
             return self.without_lowering(func, info, args, kwargs, entry)
+        if entry.raises and self.raises_here(entry):
+            STATS.raising_ops_run += 1
+            return self.run_eager(func, info, args, kwargs, FlushReason.TRY_BLOCK, None)
         outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return restructure(info, self._fresh_outputs(entry, outputs))
 
@@ -504,6 +543,9 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
                                   FallbackReason.DATA_DEPENDENT)
         if entry.lowering is None and not entry.on_torch:
             return self.without_lowering(func, info, args, kwargs, entry)
+        if entry.raises and self.raises_here(entry):
+            STATS.raising_ops_run += 1
+            return self.run_eager(func, info, args, kwargs, FlushReason.TRY_BLOCK, None)
         outputs = self._node(func, vargs, vkw, entry.tensor_outs, key, entry, inputs, scalars)
         return restructure(info, self._fresh_outputs(entry, outputs))
 
@@ -523,8 +565,10 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
 
     def flush_all(self, reason: FlushReason, detail: Optional[str] = None) -> None:
         states = self.pending_states()
-        if states:
-            flush.materialize_states(states, reason, self, everything=True, detail=detail)
+        checked = [v for v in self.checked if v.result is None] if self.checked else []
+        self.checked = []
+        if states or checked:
+            flush.materialize_states(states, reason, self, everything=True, detail=detail, checked=checked)
         self.pending_nodes = 0
         last = self.last_node
         self.cut_at = -1 if last is None else last.id

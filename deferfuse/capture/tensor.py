@@ -25,6 +25,7 @@ from ..ir.graph import StorageState
 from ..ir.meta import TensorMeta
 from .classify import FRESH_RESULT_KINDS, op_info
 from .dispatch_keys import no_dispatch
+from .storage import show_to_numpy
 from .trees import map_returned, map_tensors, tensors_in, written_arguments
 
 
@@ -102,6 +103,9 @@ class DeferredTensor(torch.Tensor):
         if storage.contents is not None:
             from . import flush
             flush.materialize_states([storage], reason, self._recorder)
+        if storage.poisoned is not None:
+            from .flush import raise_poisoned
+            raise_poisoned(storage)
         if exposes:
             storage.owned = False
         m = self._meta
@@ -166,12 +170,22 @@ class DeferredTensor(torch.Tensor):
         return self._observe(FlushReason.TOLIST, lambda d: d.tolist(), exposes=False)
 
     def numpy(self, *, force: bool = False):
-        return self._as_strict(FlushReason.NUMPY, lambda t: t.numpy(force=force))
+        # (NumPy reads and writes that memory while the array lives: storage.show_to_numpy)
+        return self._as_strict(FlushReason.NUMPY, lambda t: show_to_numpy(t, lambda: t.numpy(force=force)))
 
     def __array__(self, *args, **kwargs):
         # (torch's signature, whatever it is: numpy asks it for copy= and, refused, copies or
         # raises itself, as it does for a plain tensor)
-        return self._as_strict(FlushReason.NUMPY, lambda t: t.__array__(*args, **kwargs))
+        return self._as_strict(FlushReason.NUMPY,
+                               lambda t: show_to_numpy(t, lambda: t.__array__(*args, **kwargs)))
+
+    def as_subclass(self, cls):
+        """A user's own subclass (``t.as_subclass(Tagged)``, and torch's ``__torch_function__``
+        wrapping each result of a subclass's op): over the computed memory, as strict's is; the
+        subclass's ops then read that memory as any plain tensor's."""
+        if self.requires_grad and torch.is_grad_enabled():
+            return _AsSubclass.apply(self, cls)   # (in the autograd graph, as strict's alias is)
+        return self._observe(FlushReason.SYNC, lambda d: d.as_subclass(cls))
 
     def data_ptr(self) -> int:
         return self._observe(FlushReason.DATA_PTR, lambda d: d.data_ptr())
@@ -237,6 +251,19 @@ class DeferredTensor(torch.Tensor):
 
 
 # Python attributes deferfuse keeps on an instance; _is_param is the type of the strict twin
+class _AsSubclass(torch.autograd.Function):
+    """``as_subclass`` of a deferred tensor that requires grad: the subclass over the computed
+    memory, its gradient passed straight back."""
+
+    @staticmethod
+    def forward(ctx, x, cls):
+        return x._observe(FlushReason.SYNC, lambda d: d.as_subclass(cls))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 _OWN_ATTRIBUTES = frozenset({"_is_param", "_lazy_bits"})
 # names dir() lists for a DeferredTensor but not for a plain tensor
 _OWN_NAMES = (frozenset(dir(DeferredTensor)) - frozenset(dir(torch.Tensor))) | _OWN_ATTRIBUTES

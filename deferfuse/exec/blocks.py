@@ -491,7 +491,8 @@ class Segments:
         program has run long enough that what a first deferred run costs (starting JAX, the
         first metadata inference) is within explore_share of its time."""
         share = config.get("explore_share")
-        return share >= 1.0 or (clock() - self.created) * share >= first_trial_estimate()
+        return share >= 1.0 or not config.shortcuts().segments_timed \
+            or (clock() - self.created) * share >= first_trial_estimate()
 
     @staticmethod
     def starts_segments(place: Any) -> bool:
@@ -504,6 +505,11 @@ class Segments:
         choice = self.choice
         if not recorder.at_once_segment:
             recorder.flush_all(reason)   # (the segment's work, all of it, in its time)
+        if not config.shortcuts().segments_timed:
+            # (the tier is off now: torch.use_deterministic_algorithms(True), always_compile)
+            self.choice = None
+            self.way = recorder.at_once_segment = False
+            return
         if choice is not None:
             at_once = recorder.at_once_segment
             if at_once == self.way:   # (not timed: a segment that could not run as chosen)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .. import config
+from ..errors import mark_failed
 from ..ir import graph
 from ..ir.graph import Node, RuntimeScalar, Value
 from ..stats import STATS
@@ -58,6 +59,11 @@ def _eager_internal(node: Node, args: tuple) -> torch.Tensor:
     if op is graph.AS_REAL:
         (value,) = args
         return torch.view_as_real(value.resolve_conj()).reshape(-1)
+    if op is graph.VALUE_CHECK:
+        condition, error, message = args
+        if not bool(condition.all()):
+            raise error(message)
+        return condition
     if op is graph.BITS:
         value, conj, neg = args
         value = value.conj_physical() if conj else value
@@ -94,12 +100,15 @@ def execute_eager(nodes: list[Node], outputs: list[Value], count: bool = True) -
         args = _replay_arg(node.args, computed)
         kwargs = {k: _replay_arg(v, computed) for k, v in node.kwargs.items()}
         if isinstance(node.op, graph.InternalOp):
-            out = _eager_internal(node, args)
+            try:
+                out = _eager_internal(node, args)
+            except Exception as exc:   # (a value check that failed)
+                raise mark_failed(naming_source(exc, node.source), node) from None
         else:
             try:
                 out = node.op(*args, **kwargs)
             except Exception as exc:
-                raise naming_source(exc, node.source) from None
+                raise mark_failed(naming_source(exc, node.source), node) from None
         # a node's Values are its op's tensor outputs only (MetaEntry.tensor_outs): an output
         # torch leaves undefined (None: convolution_backward's grad_input with output_mask
         # False) or that is not a tensor has none, and zipping past it would shift the rest

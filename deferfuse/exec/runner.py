@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..errors import mark_failed
 from ..ir.graph import Node, Value
 from ..stats import STATS
 from . import autotune, executables, interop, program
@@ -54,4 +55,5 @@ def _raise_failed_checks(failed: np.ndarray, details: np.ndarray, checks: list[t
                          nodes: list[Node]) -> None:
     for flag, value, (position, error, message) in zip(failed, details, checks):
         if flag:
-            raise error(f"{message.replace('{value}', str(int(value)))}{source_suffix(nodes[position].source)}")
+            raise mark_failed(error(f"{message.replace('{value}', str(int(value)))}"
+                                    f"{source_suffix(nodes[position].source)}"), nodes[position])

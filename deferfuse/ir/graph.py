@@ -46,6 +46,8 @@ AS_REAL = InternalOp("as_real")              # (complex flat,) -> its real and i
                                              # interleaved: the memory as the real dtype
 BITS = InternalOp("bits")                    # (value, conj, neg) -> what a tensor with those
                                              # lazy bits reads: -conj(value) with both
+VALUE_CHECK = InternalOp("value_check")      # (condition, error type, message) -> condition:
+                                             # raises error(message) where it does not hold
 
 
 class RuntimeScalar:
@@ -174,6 +176,8 @@ class StorageState:
       None                       buffer is up to date
       ("root", value, meta)      the tensor ``meta`` covering the whole storage holds ``value``
       ("flat", value)            ``value`` is the flat contents in memory order
+    ``poisoned``: the error of a failed op this storage's contents depended on (a flush raised
+    it once); reading the storage raises it again, writing the whole storage clears it.
     ``version`` changes whenever the contents or their representation change; a tensor's
     cached value is valid only for the version it was computed at.  ``foreign``: ``buffer`` is
     memory torch does not own (NumPy's, a DLPack producer's, shared with other processes), which
@@ -182,7 +186,7 @@ class StorageState:
     """
 
     __slots__ = ("buffer", "contents", "version", "numel", "dtype", "device", "reads", "leaf",
-                 "old_leaves", "epoch", "owned", "foreign", "__weakref__")
+                 "old_leaves", "epoch", "owned", "foreign", "poisoned", "__weakref__")
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
                  buffer: Optional[torch.Tensor] = None, contents: Any = None, foreign: bool = False) -> None:
@@ -206,6 +210,9 @@ class StorageState:
         # memory of the new contents instead of copying them into it
         self.owned = False
         self.foreign = foreign
+        # the error of the op whose result this storage was to hold, raised again when it is
+        # read (a flush that failed: capture/flush.poison); None for a storage with a value
+        self.poisoned: Optional[BaseException] = None
 
     def changed(self) -> None:
         """The contents or their representation changed: cached reads are stale."""

@@ -9,6 +9,8 @@ raised at record time by the meta inference that runs before any rule.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..ir.meta import TensorMeta
@@ -29,10 +31,10 @@ def _dim(dim: int, ndim: int) -> int:
     return dim % max(ndim, 1)
 
 
-def _wrap(index: jnp.ndarray, size: int, dim: int = 0) -> jnp.ndarray:
+def _wrap(index: jnp.ndarray, size: int, dim: int = 0, rank: Optional[int] = None) -> jnp.ndarray:
     """Negative indices count from the end; out-of-range ones raise torch's error at run time
-    (XLA would clamp them)."""
-    bounds_check(index, size, dim)
+    (XLA would clamp them; ``rank``: the indexed tensor's, where the error depends on it)."""
+    bounds_check(index, size, dim, rank)
     return jnp.where(index < 0, index + size, index)
 
 
@@ -501,7 +503,7 @@ def index_put(ctx, x, indices, values, accumulate=False):
 
 def _along_dim(x, dim: int, index) -> tuple:
     """The index tuple selecting ``index`` (a 0-d or 1-d index tensor) along ``dim``."""
-    return (slice(None),) * dim + (_wrap(index.reshape(-1), x.shape[dim], dim),)
+    return (slice(None),) * dim + (_wrap(index.reshape(-1), x.shape[dim], dim, x.ndim),)
 
 
 def _check_vector_index(ctx):

@@ -9,9 +9,9 @@ Conventions:
   computed here in NumPy at trace time and enters the program as a constant.
 - Backward ops of linear forward ops (convolution, average pooling, upsampling) are the VJP of the
   forward rule: the transpose of exactly the arithmetic the forward does.
-- Out-of-range targets and indices (nll_loss, embedding) and BCE inputs outside [0, 1] make torch
-  raise from inside its kernels; deferred code cannot see the data, so those calls give garbage
-  (NaN where possible) instead of an error.
+- Out-of-range targets and indices (nll_loss, embedding) make torch raise from inside its
+  kernels: the lowerings register runtime checks (lower/registry.py), which raise torch's error
+  when the computation runs.  BCE inputs outside [0, 1] are not checked yet: they give NaN.
 """
 
 from __future__ import annotations
@@ -169,6 +169,10 @@ def _target_weights(x, target, weight, ignore_index):
 
 def _nll_forward(x, target, weight, reduction, ignore_index):
     class_axis = 0 if x.ndim == 1 else 1
+    classes = x.shape[class_axis]
+    # (torch's CPU kernel: IndexError for a target outside [0, classes) that is not ignored)
+    runtime_check(~(target == ignore_index) & ((target < 0) | (target >= classes)), IndexError,
+                  "Target {value} is out of bounds.", target)
     w, ignored, safe = _target_weights(x, target, weight, ignore_index)
     picked = jnp.take_along_axis(common.acc(x), jnp.expand_dims(safe, class_axis), axis=class_axis,
                                  mode="fill")

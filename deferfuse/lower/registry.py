@@ -156,9 +156,77 @@ _NEGATIVE_INDEX_OPS = frozenset({"index", "index_put", "index_fill", "take", "pu
 _TERSE_INDEX_OPS = frozenset({"index_select", "embedding", "index_reduce"})
 
 
-def bounds_check(index: Any, size: int, dim: int) -> None:
+# -- which lowerings raise on values ----------------------------------------------------------
+# An op whose lowering registers a runtime check (an index out of range, an integer division by
+# zero) can raise on its inputs' values, which deferring moves from its line to a flush: the
+# recorder runs such an op at once inside a try block (capture/handlers.py), and never leaves
+# one uncomputed because its result is dead.  Whether a lowering does is read off its rule: the
+# functions it calls, followed through the lower package's modules, reach runtime_check or
+# bounds_check (found once per rule; a rule that only may, as a read of a view, counts: running
+# at once is never wrong).  The errors such checks raise:
+VALUE_ERRORS = (IndexError, RuntimeError)
+_RAISES: dict[Any, bool] = {}
+_CHECK_NAMES = frozenset({"runtime_check", "bounds_check"})
+
+
+def raises_on_values(rule: Any) -> bool:
+    """Whether the lowering rule ``rule`` registers runtime checks of values (see above)."""
+    found = _RAISES.get(rule)
+    if found is None:
+        found = _RAISES[rule] = _reaches_checks(rule, set())
+    return found
+
+
+def _functions_named(fn: Any) -> list:
+    """The functions of the lower package that ``fn``'s code names (in its own module, or as an
+    attribute of a module of the package it names), and the functions in its closure."""
+    import types
+    code = fn.__code__
+    names: set = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        names.update(c.co_freevars)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    found = []
+    if names & _CHECK_NAMES:   # (imported inside the function, or named in its module)
+        found.extend((runtime_check, bounds_check))
+    scope = getattr(fn, "__globals__", {})
+    for name in names:
+        obj = scope.get(name)
+        if isinstance(obj, types.ModuleType) and obj.__name__.startswith(__package__):
+            found.extend(getattr(obj, n, None) for n in names)
+        else:
+            found.append(obj)
+    for cell in fn.__closure__ or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:   # (an empty cell)
+            pass
+    return [f for f in found if isinstance(f, types.FunctionType)
+            and (f.__module__ or "").startswith(__package__)]
+
+
+def _reaches_checks(fn: Any, seen: set) -> bool:
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for g in _functions_named(f):
+            if g is runtime_check or g is bounds_check:
+                return True
+            if g not in seen:
+                stack.append(g)
+    return False
+
+
+def bounds_check(index: Any, size: int, dim: int, rank: Optional[int] = None) -> None:
     """Register torch's out-of-range error for ``index`` into a dim of ``size`` (negative indices
-    from -size are allowed), with torch's exception type for the op being lowered."""
+    from -size are allowed), with torch's exception type for the op being lowered (``rank``:
+    the indexed tensor's, where that type depends on it)."""
     if not CHECK_COLLECTORS:
         return
     op = CHECK_COLLECTORS[-1].op
@@ -166,7 +234,11 @@ def bounds_check(index: Any, size: int, dim: int) -> None:
     if name.startswith("_unsafe"):
         return  # torch does not check these either: callers guarantee (or mask) the range
     error = RuntimeError if name in _INDEX_ERRORS_AS_RUNTIME else IndexError
-    if name == "index_select" and dim != 0:
+    if name == "index_add" and rank is not None and rank <= 1:
+        # (torch's CPU kernel checks a vector itself, tersely; other ranks in a generic scatter)
+        error = IndexError
+        message = f"{op}: index out of range in self (index {{value}}, dimension 0 with size {size})"
+    elif name == "index_select" and dim != 0:
         # torch's CPU kernel checks other dims in a generic gather with its own wording
         error = RuntimeError
         message = f"{op}: INDICES element is out of DATA bounds, id={{value}} axis_dim={size}"

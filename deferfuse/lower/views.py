@@ -14,7 +14,7 @@ import numpy as np
 
 from ..ir import graph
 from ..ir.meta import TensorMeta
-from .registry import LoweringContext
+from .registry import LoweringContext, runtime_check
 from .._lazy import lazy_import
 
 jnp = lazy_import("jax.numpy", globals(), "jnp")
@@ -140,6 +140,14 @@ INTERNAL_RULES = {
     graph.BITS: lambda ctx, value, conj, neg: _bits(value, conj, neg),
     graph.AS_REAL: lambda ctx, value: jnp.stack([jnp.real(value), jnp.imag(value)], axis=-1).reshape(-1),
 }
+
+
+def _value_check(condition, error: type, message: str):
+    runtime_check(~condition, error, message)
+    return condition
+
+
+INTERNAL_RULES[graph.VALUE_CHECK] = lambda ctx, condition, error, message: _value_check(condition, error, message)
 
 
 def internal_rule(op: graph.InternalOp) -> Optional[object]:
