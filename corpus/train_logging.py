@@ -1,7 +1,7 @@
 """A training loop that logs its loss every N steps, the way most scripts do.
 
     python corpus/train_logging.py [--model mlp|llama|gpt2|...] [--period N] [--steps S]
-                                   [--size tiny|small] [--report PATH]
+                                   [--size tiny|small] [--lengths L] [--report PATH]
 
 ``--period 0`` reads the loss only at the end.  The model is the 64 -> 256 -> 256 -> 1 MLP
 (LayerNorm, GELU) of issue 40, or a model of the zoo (bench/zoo_models.py) at ``--size``;
@@ -27,7 +27,9 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def build(name: str, size: str):
+def build(name: str, size: str, lengths: int = 0):
+    """The model and its loss at each step; ``lengths``: a zoo language model's batches take
+    that many token lengths in turn (a text loader without bucketing), not one."""
     if name == "mlp":
         model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 256),
                               nn.GELU(), nn.Linear(256, 1))
@@ -38,6 +40,10 @@ def build(name: str, size: str):
     model = spec.make(size)
     generator = torch.Generator().manual_seed(1)
     batches = [spec.batch(size, generator) for _ in range(4)]
+    if lengths:
+        full = batches[0]["input_ids"].shape[1]
+        cut = [full - 3 * k for k in range(lengths)]
+        batches = [{k: v[:, :cut[i % lengths]] for k, v in batches[i % 4].items()} for i in range(lengths)]
     return model, lambda step: zoo.loss_of(model, spec, batches[step % len(batches)])
 
 
@@ -47,10 +53,11 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=50)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--size", default="small")
+    parser.add_argument("--lengths", type=int, default=0, help="a language model's batches take this many lengths")
     parser.add_argument("--report")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, loss_of = build(args.model, args.size)
+    model, loss_of = build(args.model, args.size, args.lengths)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ends, rss = [], []
     started = time.perf_counter()
