@@ -164,12 +164,15 @@ def _trusted(folder: str) -> bool:
     reason = cachefolder.untrusted_reason(folder)
     if reason is not None and not shared:
         with _LOCK:
+            first = folder not in _FOLDER_OFF     # (another thread may have judged it meanwhile)
             _FOLDER_OFF.add(folder)
-        _error(ErrorKind.UNTRUSTED, "not using the cache folder %s: %s, so someone else could put "
-               "code there that this process would run; the disk cache is off for this process.  "
-               "Use a folder only you can write (chmod 700 it, or leave DEFERFUSE_CACHE_DIR unset "
-               "for the default, %s), or set DEFERFUSE_CACHE_TRUST_SHARED=1 if everyone who can "
-               "write it is trusted", folder, reason, default_folder())
+        if first:
+            _error(ErrorKind.UNTRUSTED, "not using the cache folder %s: %s, so someone else could "
+                   "put code there that this process would run; the disk cache is off for this "
+                   "process.  Make the folder named yours and private (chown, chmod 700), use "
+                   "another (leave DEFERFUSE_CACHE_DIR unset for the default, %s), or set "
+                   "DEFERFUSE_CACHE_TRUST_SHARED=1 if everyone who can write it is trusted",
+                   folder, reason, default_folder())
         return False
     if reason is not None:
         log.info("deferfuse: disk cache: using %s although %s (cache_trust_shared)", folder, reason)
