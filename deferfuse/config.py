@@ -100,6 +100,13 @@ _declare("cache_dir", str,
 _declare("cache_max_bytes", int, 1 << 30,
          "Bound on the on-disk executable cache's folder, in bytes (0: no bound).  Past it, the "
          "least recently used entries are deleted after a write.  See deferfuse/exec/diskcache.py.")
+_declare("cache_trust_shared", bool, False,
+         "Use a disk cache folder that others can write (owned by another user, or writable by "
+         "its group or by everyone, or under such a folder).  An entry of the cache is code this "
+         "process runs (XLA's machine code), so anyone who can write the folder can run code in "
+         "every process that uses it: turn this on only for a folder shared by a team whose "
+         "every member is trusted.  Off, such a folder turns the disk cache off with a warning.  "
+         "See docs/architecture.md, \"Security\".")
 _declare("executable_cache_size", int, 512,
          "How many compiled executables to keep in memory, least recently used dropped first "
          "(each holds ~1.6 MB of compiled code on the CPU); 0 keeps all.  A dropped one that "
@@ -336,7 +343,7 @@ def choice_key() -> tuple:
     """The values of every setting but the disk cache's own, for the key of a block choice
     remembered on disk (exec/diskcache.py): a choice made under other settings is not reused."""
     return tuple((s.name, get(s.name)) for s in _SETTINGS.values()
-                 if s.name not in ("cache_dir", "cache_max_bytes"))
+                 if s.name not in ("cache_dir", "cache_max_bytes", "cache_trust_shared"))
 
 
 # -- the rest of the environment -----------------------------------------------------------------

@@ -190,9 +190,13 @@ def _graph(n: int) -> None:
 
 
 def _tiny_executable():
+    """An executable shaped as a program's (exec/program.py): inputs and scalars in, results
+    and no checks out."""
     import jax
     import jax.numpy as jnp
-    return jax.jit(lambda a: jnp.sin(a) * 2).lower(jnp.ones(4, jnp.float32)).compile()
+    with jax.enable_x64(True):
+        return jax.jit(lambda ins, scalars: ([jnp.sin(ins[0]) * 2], None, None), keep_unused=True).lower(
+            [jnp.ones(4, jnp.float32)], jax.ShapeDtypeStruct((0,), jnp.float64)).compile()
 
 
 def test_the_key_covers_every_input_of_the_executable(disk, monkeypatch):

@@ -7,10 +7,19 @@ torch, the XLA platform, its version, device kind and device count, the host CPU
 executable compiled for AVX-512 dies on a machine without it) and XLA_FLAGS.
 
 **Entry.**  ``<folder>/<2 hex>/<key>.xla``: a magic line, a one-line JSON header (format, key,
-payload size and SHA-256, the custom-call targets the executable calls), then the payload (the
-pickled serialized executable and the metadata of its runtime checks).  An entry is checked
-against its header before anything reads the payload, so a truncated or corrupted file never
-reaches pickle or XLA.  Written to a temporary file and renamed: readers never see half an entry.
+payload size and SHA-256, the custom-call targets the executable calls; at most 1 MiB), then the
+payload: a line of JSON metadata (its inputs, results, runtime scalars and runtime checks) and
+the executable as XLA serializes it (exec/entryformat.py).  Nothing in it is unpickled: only
+XLA's deserializer reads its bytes.  An entry is checked against its header before anything
+reads the payload, so a truncated or corrupted file never reaches XLA.  Written 0600 to a
+temporary file and renamed: readers never see half an entry.
+
+**Trust.**  An entry is code this process runs, so the cache uses a folder only when no one but
+this user and root could have written in it (exec/cachefolder.py): the folder and the folders
+above it, judged once per process before its first use, and each file read.  A folder others
+can write turns the cache off for the process, with one warning, unless ``cache_trust_shared``
+is on.  The folders deferfuse creates are 0700 and its files 0600, whatever the umask; the
+default folder, which an older deferfuse created 0755, is made private at its first use.
 
 **Load.**  Deserializing skips JAX's lowering, and lowering is where JAX readies what some custom
 calls need; ``prepare_targets()`` does that instead, or refuses the entry (see its docstring).
@@ -44,7 +53,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import platform
 import re
 import tempfile
@@ -57,13 +65,15 @@ import torch
 from .. import config, version
 from ..stats import STATS
 from .._lazy import lazy_import
+from . import cachefolder, entryformat
 
 jax = lazy_import("jax", globals(), "jax")
 
 log = logging.getLogger("deferfuse")
 
-_FORMAT = 2
+_FORMAT = 3
 _MAGIC = b"deferfuse-executable\n"
+_HEADER_LIMIT = 1 << 20       # bytes a header line may take
 _SUFFIX = ".xla"
 _LOW_WATER = 0.9              # eviction deletes down to this share of cache_max_bytes
 _STALE_TMP_SECONDS = 3600.0   # a temporary file this old was left by a process that died writing
@@ -78,12 +88,14 @@ class ErrorKind(enum.Enum):
     SERIALIZE = "an executable that could not be serialized"
     WRITE = "a failed write (read-only folder, full disk)"
     FOLDER = "a cache folder that cannot be created (the disk cache is off for this process)"
+    UNTRUSTED = "a cache folder or entry that others could have written"
     EVICT = "a failed eviction"
 
 
 _LOCK = threading.RLock()
 _WARNED: set[ErrorKind] = set()
-_FOLDER_OFF: set[str] = set()      # folders that could not be created: the cache is off there
+_FOLDER_OFF: set[str] = set()      # folders not created, or not trusted: the cache is off there
+_TRUSTED: set[str] = set()         # folders judged (once they exist) and used
 _USAGE: dict[str, int] = {}        # folder -> bytes at its last walk plus this process's writes since
 _COUNTS: collections.Counter[str] = collections.Counter()
 
@@ -100,11 +112,12 @@ def counts() -> dict[str, int]:
 
 def clear() -> None:
     """Forget this process's disk cache state: counts, warnings given, folder sizes, folders
-    turned off.  The entries on disk stay."""
+    judged and turned off.  The entries on disk stay."""
     with _LOCK:
         _COUNTS.clear()
         _WARNED.clear()
         _FOLDER_OFF.clear()
+        _TRUSTED.clear()
         _USAGE.clear()
 
 
@@ -120,13 +133,72 @@ def _error(kind: ErrorKind, message: str, *args: Any) -> None:
 
 
 def cache_dir() -> Optional[str]:
-    """The cache folder, or None when the disk cache is off (DEFERFUSE_CACHE_DIR="", or a
-    folder this process could not create)."""
+    """The cache folder, or None when the disk cache is off (DEFERFUSE_CACHE_DIR="", a folder
+    this process could not create, or one others could write: see ``_trusted``)."""
     path = config.get("cache_dir")
     if path is None or path == "":
         return None
     path = os.path.expanduser(path)
-    return None if path in _FOLDER_OFF else path
+    if path in _FOLDER_OFF:
+        return None
+    return path if _trusted(path) else None
+
+
+def default_folder() -> str:
+    """The cache folder when none is set (``cache_dir``'s default)."""
+    return os.path.expanduser(config.settings()["cache_dir"].default)
+
+
+def _trusted(folder: str) -> bool:
+    """Whether the cache may read and write ``folder``: judged at its first use in this process
+    (until it exists, by the folders above it: again once created).  The default folder, if
+    its group or others have any access to it, is made private first."""
+    if folder in _TRUSTED:
+        return True
+    shared = config.get("cache_trust_shared")
+    if not shared and cachefolder.is_open(folder) \
+            and os.path.realpath(folder) == os.path.realpath(default_folder()):
+        folders, files = cachefolder.tighten(folder)
+        log.info("deferfuse: disk cache: made %s private (%d folders now 0700, %d files 0600): "
+                 "its entries are code this process runs", folder, folders, files)
+    reason = cachefolder.untrusted_reason(folder)
+    if reason is not None and not shared:
+        with _LOCK:
+            first = folder not in _FOLDER_OFF     # (another thread may have judged it meanwhile)
+            _FOLDER_OFF.add(folder)
+        if first:
+            _error(ErrorKind.UNTRUSTED, "not using the cache folder %s: %s, so someone else could "
+                   "put code there that this process would run; the disk cache is off for this "
+                   "process.  Make the folder named yours and private (chown, chmod 700), use "
+                   "another (leave DEFERFUSE_CACHE_DIR unset for the default, %s), or set "
+                   "DEFERFUSE_CACHE_TRUST_SHARED=1 if everyone who can write it is trusted",
+                   folder, reason, default_folder())
+        return False
+    if reason is not None:
+        log.info("deferfuse: disk cache: using %s although %s (cache_trust_shared)", folder, reason)
+    if os.path.isdir(folder):
+        with _LOCK:
+            _TRUSTED.add(folder)
+    return True
+
+
+def _modes(folder: str) -> tuple[int, int]:
+    """The modes of the folders and files written in ``folder``: private, or under
+    cache_trust_shared, open as ``folder`` is (so that its group can read what one wrote)."""
+    if not config.get("cache_trust_shared"):
+        return cachefolder.FOLDER_MODE, cachefolder.FILE_MODE
+    try:
+        mode = os.stat(folder).st_mode
+    except OSError:
+        return cachefolder.FOLDER_MODE, cachefolder.FILE_MODE
+    return (mode & 0o2777) | cachefolder.FOLDER_MODE, (mode & 0o666) | cachefolder.FILE_MODE
+
+
+def _foreign(path: str, f: Any) -> Optional[str]:
+    """Why the open cache file ``f`` could have been written by someone else, or None."""
+    if config.get("cache_trust_shared"):
+        return None
+    return cachefolder.untrusted_file(path, os.fstat(f.fileno()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,18 +373,23 @@ def _decode(key: str, data: bytes) -> tuple[list[str], bytes]:
     header against ``key``."""
     if not data.startswith(_MAGIC):
         raise _Unreadable("no entry header")
-    line_end = data.find(b"\n", len(_MAGIC))
+    line_end = data.find(b"\n", len(_MAGIC), len(_MAGIC) + _HEADER_LIMIT)
     if line_end < 0:
-        raise _Unreadable("its header is cut off")
+        raise _Unreadable("its header is cut off, or longer than any this version writes")
     try:
         header = json.loads(data[len(_MAGIC):line_end])
-        fmt, entry_key = header["format"], header["key"]
-        size, digest, targets = int(header["size"]), header["sha256"], list(header["targets"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, RecursionError) as exc:   # (not JSON, not UTF-8, nested too deep)
         raise _Unreadable(f"a malformed header ({exc})") from None
-    if fmt != _FORMAT or entry_key != key:
-        raise _OtherFormat(f"format {fmt!r} and key {str(entry_key)[:16]}..., "
+    if not isinstance(header, dict) or "format" not in header or "key" not in header:
+        raise _Unreadable("a header without a format and a key")
+    fmt, entry_key = header["format"], header["key"]
+    if type(fmt) is not int or fmt != _FORMAT or entry_key != key:
+        raise _OtherFormat(f"format {str(fmt)[:16]!r} and key {str(entry_key)[:16]}..., "
                            f"expected format {_FORMAT} and key {key[:16]}...")
+    size, digest, targets = header.get("size"), header.get("sha256"), header.get("targets")
+    if type(size) is not int or not isinstance(digest, str) or not isinstance(targets, list) \
+            or not all(isinstance(t, str) for t in targets):
+        raise _Unreadable("a malformed header (its size, sha256 or targets)")
     payload = data[line_end + 1:]
     if len(payload) != size:
         raise _Unreadable(f"{len(payload)} bytes of payload where the header says {size}: truncated")
@@ -321,9 +398,11 @@ def _decode(key: str, data: bytes) -> tuple[list[str], bytes]:
     return targets, payload
 
 
-def load(signature: Any) -> Optional[tuple[Any, int, list]]:
-    """The executable saved for ``signature``, with its scalar count and runtime checks; None
-    on a miss (or a bad entry: counted, logged once, and compiled again by the caller)."""
+def load(signature: Any, n_inputs: Optional[int] = None, n_scalars: Optional[int] = None
+         ) -> Optional[tuple[Any, int, list]]:
+    """The executable saved for ``signature`` (taking ``n_inputs`` inputs and ``n_scalars``
+    runtime scalars, when given), with its scalar count and runtime checks; None on a miss (or
+    a bad entry: counted, logged once, and compiled again by the caller)."""
     folder = cache_dir()
     key = _key(signature) if folder else None
     if key is None:
@@ -331,16 +410,25 @@ def load(signature: Any) -> Optional[tuple[Any, int, list]]:
     path = _entry_path(folder, key)
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            foreign = _foreign(path, f)
+            data = b"" if foreign else f.read()
     except (FileNotFoundError, NotADirectoryError):     # (no such entry, or no such folder)
         _count("misses")
         return None
     except OSError as exc:
         _error(ErrorKind.UNREADABLE, "cannot read %s (%s); compiling again", path, exc)
         return None
+    if foreign is not None:
+        _error(ErrorKind.UNTRUSTED, "not loading %s: %s, so it could be someone else's code; "
+               "compiling again", path, foreign)
+        return None
     try:
         targets, payload = _decode(key, data)
-    except _Unreadable as exc:
+        metadata, xla_bytes = entryformat.parse(payload)
+        if n_inputs not in (None, metadata.n_inputs) or n_scalars not in (None, metadata.n_scalars):
+            raise _Unreadable(f"it takes {metadata.n_inputs} inputs and {metadata.n_scalars} "
+                              f"scalars, where the program has {n_inputs} and {n_scalars}")
+    except (_Unreadable, entryformat.Malformed) as exc:
         _error(ErrorKind.UNREADABLE, "ignoring %s: %s; compiling again", path, exc)
         return None
     except _OtherFormat as exc:
@@ -351,9 +439,7 @@ def load(signature: Any) -> Optional[tuple[Any, int, list]]:
         _error(ErrorKind.UNLOADABLE, "not loading %s: %s; compiling again", path, refusal)
         return None
     try:
-        from jax.experimental import serialize_executable
-        serialized, in_tree, out_tree, n_scalars, checks = pickle.loads(payload)
-        executable = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+        executable = entryformat.load(metadata, xla_bytes)
     except Exception as exc:  # noqa: BLE001 - a bad entry is compiled again, never fatal
         _error(ErrorKind.DESERIALIZE, "could not load %s (%s: %s); compiling again",
                path, type(exc).__name__, exc)
@@ -361,11 +447,12 @@ def load(signature: Any) -> Optional[tuple[Any, int, list]]:
     _touch(path)
     STATS.disk_cache_hits += 1
     _count("hits")
-    return executable, n_scalars, checks
+    return executable, metadata.n_scalars, metadata.checks
 
 
 def save(signature: Any, executable: Any, n_scalars: int, checks: list) -> None:
-    """Write ``executable`` (just compiled for ``signature``) to the cache folder."""
+    """Write ``executable`` (a JAX ``Compiled`` of a Program, just compiled for ``signature``)
+    to the cache folder."""
     folder = cache_dir()
     key = _key(signature) if folder else None
     if key is None:
@@ -374,6 +461,11 @@ def save(signature: Any, executable: Any, n_scalars: int, checks: list) -> None:
     try:
         targets = custom_call_targets(executable)
         refusal = unsaveable_reason(targets)
+        if refusal is None:
+            try:
+                payload = entryformat.serialize(executable, n_scalars, checks)
+            except entryformat.Unsaveable as exc:
+                refusal = str(exc)
         if refusal is not None:
             log.debug("deferfuse: disk cache: not saving an executable: %s", refusal)
             _count("not_saved")
@@ -381,9 +473,7 @@ def save(signature: Any, executable: Any, n_scalars: int, checks: list) -> None:
         registered = _registered_targets()
         # only the targets jaxlib provides need preparing at load; the others are XLA's own
         needed = [t for t in targets if registered is None or t in registered]
-        from jax.experimental import serialize_executable
-        serialized, in_tree, out_tree = serialize_executable.serialize(executable)
-        data = _encode(key, pickle.dumps((serialized, in_tree, out_tree, n_scalars, checks)), needed)
+        data = _encode(key, payload, needed)
     except Exception as exc:  # noqa: BLE001 - the executable in memory still works
         _count("not_saved")
         _error(ErrorKind.SERIALIZE, "could not serialize an executable (%s: %s); this process goes "
@@ -394,7 +484,7 @@ def save(signature: Any, executable: Any, n_scalars: int, checks: list) -> None:
         return
     path = _entry_path(folder, key)
     try:
-        _write_atomically(path, data)
+        _write_atomically(path, data, folder)
     except OSError as exc:
         _count("not_saved")
         _error(ErrorKind.WRITE, "could not write %s (%s); this process goes on without it",
@@ -423,11 +513,15 @@ def load_choice(place: str) -> Optional[dict]:
     path = _choice_path(folder, place)
     try:
         with open(path, "rb") as f:
-            data = f.read(1 << 16)
+            foreign = _foreign(path, f)
+            data = b"" if foreign else f.read(1 << 16)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         _error(ErrorKind.UNREADABLE, "cannot read %s (%s); measuring the block again", path, exc)
+        return None
+    if foreign is not None:
+        _error(ErrorKind.UNTRUSTED, "ignoring %s: %s; measuring the block again", path, foreign)
         return None
     try:
         record = json.loads(data)
@@ -446,7 +540,7 @@ def save_choice(place: str, record: dict) -> None:
         return
     path = _choice_path(folder, place)
     try:
-        _write_atomically(path, json.dumps(dict(record, place=place)).encode())
+        _write_atomically(path, json.dumps(dict(record, place=place)).encode(), folder)
     except (OSError, TypeError, ValueError) as exc:
         _error(ErrorKind.WRITE, "could not write %s (%s); this process goes on without it",
                path, exc)
@@ -468,26 +562,33 @@ def _touch(path: str) -> None:
 
 
 def _ensure_folder(folder: str) -> bool:
+    """Create ``folder`` (0700, as each missing folder above it) if it is missing; whether the
+    cache may write there (judged again once it exists: ``_trusted``)."""
     try:
-        os.makedirs(folder, exist_ok=True)
+        cachefolder.make_folders(folder)
+        problem = None if os.path.isdir(folder) else "not a folder"
     except OSError as exc:
-        if not os.path.isdir(folder):
-            with _LOCK:
-                _FOLDER_OFF.add(folder)
-            _error(ErrorKind.FOLDER, "cannot create the cache folder %s (%s); the disk cache is off "
-                   "for this process", folder, exc)
-            return False
-    return True
+        problem = None if os.path.isdir(folder) else exc
+    if problem is not None:
+        with _LOCK:
+            _FOLDER_OFF.add(folder)
+        _error(ErrorKind.FOLDER, "cannot create the cache folder %s (%s); the disk cache is off "
+               "for this process", folder, problem)
+        return False
+    return _trusted(folder)
 
 
-def _write_atomically(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the whole entry or none: another
-    process writing the same key at once writes its own temporary file, and the last rename
-    wins with an entry as good as the other."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def _write_atomically(path: str, data: bytes, folder: str) -> None:
+    """Write ``data`` to ``path`` (in the cache folder ``folder``) so that a reader sees the
+    whole entry or none: another process writing the same key at once writes its own
+    temporary file, and the last rename wins with an entry as good as the other.  Its folder
+    and the file get ``_modes(folder)``, whatever the umask."""
+    folder_mode, file_mode = _modes(folder)
+    cachefolder.make_folders(os.path.dirname(path), folder_mode)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), file_mode)
             f.write(data)
         os.replace(tmp, path)
     except BaseException:

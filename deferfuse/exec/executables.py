@@ -34,7 +34,9 @@ log = logging.getLogger("deferfuse")
 
 
 class Compiled:
-    """A compiled program: its executable, how many runtime scalars it takes, and its checks."""
+    """A compiled program: its executable, how many runtime scalars it takes, and its checks.
+    The executable is called ``(inputs, scalars) -> (results, failed, details)``: a JAX
+    ``Compiled``, or one loaded from the disk cache (entryformat.LoadedProgram)."""
 
     __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower", "nbytes")
 
@@ -152,7 +154,9 @@ def lower_program(program: Program, input_avals: tuple, n_scalars: int) -> Any:
     avals = [jax.ShapeDtypeStruct(shape, dtypes_.to_jax(dtype)) for shape, dtype in input_avals]
     scalar_aval = jax.ShapeDtypeStruct((n_scalars,), jnp.float64)
     with x64():
-        return jax.jit(lambda ins, sc: program(ins, sc)).lower(avals, scalar_aval)
+        # (keep_unused: the executable takes every input, whether read or not, so the disk
+        # cache can call it without JAX's record of which it kept: exec/entryformat.py)
+        return jax.jit(lambda ins, sc: program(ins, sc), keep_unused=True).lower(avals, scalar_aval)
 
 
 # Wall seconds spent lowering and compiling, on any thread, and the ops of the programs compiled:
@@ -349,7 +353,7 @@ def load_from_disk(sig: Any, make_program, avals: tuple, n_scalars: int) -> Opti
     """The executable saved on disk for ``sig``, now also held in memory; None on a miss.  Its
     program is lowered again only if its StableHLO text is asked for."""
     regions = _code_regions()
-    loaded = diskcache.load(sig)
+    loaded = diskcache.load(sig, len(avals), n_scalars)
     if loaded is None:
         return None
     compiled = Compiled(*loaded)
