@@ -186,6 +186,11 @@ _declare("explain_history", int, 16, "How many recent flush plans deferfuse.expl
 _declare("check_nans", bool, False,
          "In debug mode, raise at the first op whose output holds a NaN or Inf that its inputs "
          "did not (costs one pass over every floating-point output).")
+_declare("check_uninitialized", bool, True,
+         "In debug mode, track memory allocated without values (empty*, new_empty*, what resize_ "
+         "or an out= resize adds) per element until it is written, and raise at an op that reads "
+         "an element nothing wrote, naming the allocation's line (deferfuse/debugging/uninit.py; "
+         "an op costs one dictionary test while nothing is tracked).")
 
 
 class _State(threading.local):

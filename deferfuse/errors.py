@@ -78,3 +78,8 @@ class NonFiniteError(DebugCheckError, FloatingPointError):
 class OverlapError(DebugCheckError):
     """An op writes memory that one of its other inputs reads (torch raises RuntimeError for
     the cases it detects)."""
+
+
+class UninitializedReadError(DebugCheckError):
+    """An op read elements of memory allocated without values (``empty*``, a resize) that
+    nothing had written (debug mode with check_uninitialized on)."""
