@@ -51,9 +51,10 @@ def _run_checked(func, args: tuple, kwargs: dict) -> Any:
     kind = info.kind
     checks_writes = kind is OpKind.MUTATING
     check_nans = config.get("check_nans") and kind is not OpKind.VIEW
-    check_reads = uninit.tracking() and config.get("check_uninitialized")
+    uninitialized = config.get("check_uninitialized")
+    check_reads = uninitialized and uninit.tracking()
     # (written arguments, whatever the kind: uniform_ is a random op, resize_ an in-place view)
-    tracks_writes = bool(info.written) and config.get("check_uninitialized")
+    tracks_writes = uninitialized and bool(info.written)
     bound, before, sizes = None, None, None
     if rule is not None or checks_writes or check_nans or check_reads or tracks_writes:
         bound = checks.bind(func, args, kwargs)
@@ -70,11 +71,13 @@ def _run_checked(func, args: tuple, kwargs: dict) -> Any:
     out = func(*args, **kwargs)
     if tracks_writes:
         uninit.after(func, info, bound, sizes, user_line)
-    elif kind is OpKind.ALLOCATION and config.get("check_uninitialized"):
+    elif kind is OpKind.ALLOCATION and uninitialized:
         uninit.allocated(func, out, user_line())
     if check_nans:
         checks.check_produced_nonfinite(func, info, bound, out, before)
-    if torch.is_grad_enabled() and not backward.in_backward():
+    if not backward.in_backward():
+        # (under no_grad too: a custom autograd Function's forward runs there, and its node is
+        # attached to the last op's output when it returns)
         backward.remember(out, user_line(), scopes.current())
     _wait_for_device(out)
     return out
