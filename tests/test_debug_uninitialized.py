@@ -223,3 +223,17 @@ def test_a_zoo_model_trains_and_generates_under_every_check():
     with config.override(check_nans=True, check_uninitialized=True), deferfuse.debug():
         got = run()
     assert got == expected
+
+
+def test_a_defer_block_inside_debug_mode_pauses_tracking():
+    """A defer block's writes reach memory at its flushes, which debug mode does not see."""
+    with deferfuse.debug():
+        e = torch.empty(3)
+        with deferfuse.defer():
+            e.fill_(1.0)
+            f = torch.empty(2)          # (an allocation runs at once, through debug mode)
+            f.copy_(torch.ones(2))
+        assert (e + 1).tolist() == [2.0, 2.0, 2.0]
+        assert (f + 1).tolist() == [2.0, 2.0]
+        with pytest.raises(UninitializedReadError):     # tracked again after the block
+            torch.empty(2) + 1

@@ -51,7 +51,7 @@ def _run_checked(func, args: tuple, kwargs: dict) -> Any:
     kind = info.kind
     checks_writes = kind is OpKind.MUTATING
     check_nans = config.get("check_nans") and kind is not OpKind.VIEW
-    uninitialized = config.get("check_uninitialized")
+    uninitialized = config.get("check_uninitialized") and uninit.active()
     check_reads = uninitialized and uninit.tracking()
     # (written arguments, whatever the kind: uniform_ is a random op, resize_ an in-place view)
     tracks_writes = uninitialized and bool(info.written)

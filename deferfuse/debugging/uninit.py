@@ -19,7 +19,8 @@ what it writes (pointwise in-place ops such as ``add_``, foreach updates, accumu
 such as ``index_add_`` and ``addmm_`` with ``beta`` not 0), views and ops that read only
 metadata (``*_like``, ``new_*``).  Writes debug mode cannot see (through ``.numpy()``,
 ``data_ptr()``, another thread, a defer block's flush) are not marked: tracking ends whenever
-debug mode is left or a defer block starts inside it.
+debug mode is left, and stops while a defer block runs inside it (``pause``/``resume``, called
+by deferfuse/modes.py).
 """
 
 from __future__ import annotations
@@ -55,13 +56,34 @@ _PRUNE_EVERY = 64
 _registered = [0]
 
 
+_paused = [0]   # defer blocks open above a debug mode: their writes land unseen, at flushes
+
+
 def tracking() -> bool:
     """Whether any storage is tracked (if not, an op has nothing to check)."""
     return bool(_TRACKED)
 
 
+def active() -> bool:
+    """Whether debug mode tracks memory now (not while a defer block runs above it)."""
+    return not _paused[0]
+
+
 def clear() -> None:
-    """Stop tracking everything (debug mode left, or a defer block inside it started)."""
+    """Stop tracking everything (debug mode left: writes made meanwhile are not seen)."""
+    _TRACKED.clear()
+
+
+def pause() -> None:
+    """A defer block starts above debug mode: what it writes reaches memory at its flushes,
+    unseen, so nothing is tracked until it ends (and what was is forgotten)."""
+    _paused[0] += 1
+    _TRACKED.clear()
+
+
+def resume() -> None:
+    """That defer block ended."""
+    _paused[0] = max(0, _paused[0] - 1)
     _TRACKED.clear()
 
 
