@@ -13,6 +13,8 @@ trains the same way):
                uninitialized reads (check_uninitialized); every op labels its autograd node
                with its line and module (for errors in backward)
   debug-uninit-off   the same without check_uninitialized: what tracking memory costs
+  debug-no-places    the same without the forward-line labels and module paths (no setting
+               turns them off; they are patched out here): what naming them costs
   debug-all    every check, check_nans too (one pass over each floating-point output)
 
 It prints and writes (bench/results/debug_overhead.json) the median and the fastest step time
@@ -25,6 +27,7 @@ what each check reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -35,14 +38,29 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
+from deferfuse.debugging import backward, scopes
 from bench import zoo_models as zoo
 from bench.harness import RESULTS_DIR
 
 VARIANTS: dict[str, dict[str, bool]] = {
     "debug": dict(check_uninitialized=True, check_nans=False),
     "debug-uninit-off": dict(check_uninitialized=False, check_nans=False),
+    "debug-no-places": dict(check_uninitialized=True, check_nans=False),
     "debug-all": dict(check_uninitialized=True, check_nans=True),
 }
+
+
+@contextlib.contextmanager
+def _without_places():
+    """Debug mode without labelling autograd nodes with forward lines nor tracking modules
+    (no setting turns these off: this variant measures what they cost)."""
+    saved = backward.remember, scopes.hold, scopes.release
+    backward.remember = lambda *args: None
+    scopes.hold = scopes.release = lambda: None
+    try:
+        yield
+    finally:
+        backward.remember, scopes.hold, scopes.release = saved
 
 
 class _Counter(TorchDispatchMode):
@@ -71,7 +89,8 @@ def _stepper(name: str, size: str, variant: str) -> Callable[[], float]:
         if variant == "strict":
             zoo.train_step(m, model, optimizer, batch)
         else:
-            with deferfuse.config.override(**VARIANTS[variant]), deferfuse.debug():
+            places = _without_places() if variant == "debug-no-places" else contextlib.nullcontext()
+            with places, deferfuse.config.override(**VARIANTS[variant]), deferfuse.debug():
                 zoo.train_step(m, model, optimizer, batch)
         return time.perf_counter() - started
     return step
