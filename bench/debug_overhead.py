@@ -18,8 +18,9 @@ trains the same way):
   debug-all    every check, check_nans too (one pass over each floating-point output)
 
 It prints and writes (bench/results/debug_overhead.json) the median and the fastest step time
-of each (on a shared machine the fastest round is the least disturbed), their ratios to strict
-and the extra time per aten op (from the fastest rounds).  ``--zoo`` runs every zoo model at tiny for two
+of each and the median CPU time of the process (on a shared machine the fastest round is the
+least disturbed, and other processes' work does not count in CPU time), their ratios to strict
+and the extra time per aten op.  ``--zoo`` runs every zoo model at tiny for two
 steps (and ``generate()`` for the language models) under debug with every check on, and lists
 what each check reported.
 """
@@ -82,17 +83,17 @@ def _stepper(name: str, size: str, variant: str) -> Callable[[], float]:
     batches = [model.batch(size, g) for _ in range(4)]
     turn = [0]
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         batch = batches[turn[0] % len(batches)]
         turn[0] += 1
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         if variant == "strict":
             zoo.train_step(m, model, optimizer, batch)
         else:
             places = _without_places() if variant == "debug-no-places" else contextlib.nullcontext()
             with places, deferfuse.config.override(**VARIANTS[variant]), deferfuse.debug():
                 zoo.train_step(m, model, optimizer, batch)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
     return step
 
 
@@ -114,24 +115,33 @@ def time_steps(name: str, size: str, rounds: int, warmup: int = 2) -> dict[str, 
         for _ in range(warmup):
             steppers[v]()
     samples: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     order = random.Random(0)
     for _ in range(rounds):
         shuffled = list(variants)
         order.shuffle(shuffled)
         for v in shuffled:
-            samples[v].append(steppers[v]())
+            wall, used = steppers[v]()
+            samples[v].append(wall)
+            cpu[v].append(used)
     ops = ops_per_step(name, size)
     medians = {v: statistics.median(s) * 1e3 for v, s in samples.items()}
-    # (the fastest round of each: on a shared machine, the one least disturbed by other work)
+    # (the fastest round of each: on a shared machine, the one least disturbed by other work;
+    # and the process's CPU time, which other processes' work does not add to)
     fastest = {v: min(s) * 1e3 for v, s in samples.items()}
+    cpu_ms = {v: statistics.median(s) * 1e3 for v, s in cpu.items()}
     return {
-        "model": name, "size": size, "rounds": rounds, "ops_per_step": ops,
+        "model": name, "size": size, "rounds": rounds, "ops_per_step": ops, "threads": torch.get_num_threads(),
         "median_ms": {v: round(ms, 2) for v, ms in medians.items()},
         "min_ms": {v: round(ms, 2) for v, ms in fastest.items()},
+        "cpu_ms": {v: round(ms, 2) for v, ms in cpu_ms.items()},
         "ratio_to_strict": {v: round(ms / medians["strict"], 2) for v, ms in medians.items()},
         "min_ratio_to_strict": {v: round(ms / fastest["strict"], 2) for v, ms in fastest.items()},
+        "cpu_ratio_to_strict": {v: round(ms / cpu_ms["strict"], 2) for v, ms in cpu_ms.items()},
         "extra_us_per_op": {v: round((ms - fastest["strict"]) * 1e3 / ops, 1)
                             for v, ms in fastest.items() if v != "strict"},
+        "extra_cpu_us_per_op": {v: round((ms - cpu_ms["strict"]) * 1e3 / ops, 1)
+                                for v, ms in cpu_ms.items() if v != "strict"},
     }
 
 
@@ -176,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="tiny,small")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--zoo", action="store_true", help="every zoo model at tiny under every check")
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads (default: torch's own)")
     parser.add_argument("--out", default=str(RESULTS_DIR / "debug_overhead.json"))
     options = parser.parse_args(argv)
+    if options.threads:
+        torch.set_num_threads(options.threads)
     results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     if options.zoo:
         results["zoo"] = zoo_sweep()
@@ -187,12 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             row = time_steps(options.model, size, options.rounds)
             results["steps"].append(row)
             print(f"{options.model} {size}: {row['ops_per_step']} aten ops a step")
-            print(f"  {'':18s} {'median':>9s}     x       {'fastest':>9s}     x")
+            print(f"  {'':18s} {'median':>9s}     x       {'fastest':>9s}     x       {'cpu':>9s}     x")
             for v, ms in row["median_ms"].items():
                 extra = row["extra_us_per_op"].get(v)
+                extra_cpu = row["extra_cpu_us_per_op"].get(v)
                 print(f"  {v:18s} {ms:9.2f} ms  x{row['ratio_to_strict'][v]:5.2f}  "
-                      f"{row['min_ms'][v]:9.2f} ms  x{row['min_ratio_to_strict'][v]:5.2f}"
-                      + (f"  +{extra:.1f} us/op" if extra is not None else ""))
+                      f"{row['min_ms'][v]:9.2f} ms  x{row['min_ratio_to_strict'][v]:5.2f}  "
+                      f"{row['cpu_ms'][v]:9.2f} ms  x{row['cpu_ratio_to_strict'][v]:5.2f}"
+                      + (f"  +{extra:.1f} us/op (+{extra_cpu:.1f} cpu)" if extra is not None else ""))
     try:
         previous = json.loads(open(options.out).read())
     except (OSError, ValueError):
