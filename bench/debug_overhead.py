@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="tiny,small")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--zoo", action="store_true", help="every zoo model at tiny under every check")
-    parser.add_argument("--threads", type=int, default=0, help="torch's threads (default: torch's own)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's threads (default 1: on a shared 2-core VM, torch's two OpenMP "
+                             "threads wait for each other whenever another process runs; 0: torch's own)")
     parser.add_argument("--out", default=str(RESULTS_DIR / "debug_overhead.json"))
     options = parser.parse_args(argv)
     if options.threads:

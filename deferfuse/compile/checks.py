@@ -61,8 +61,12 @@ def has_nonfinite(values: Iterable[Any]) -> bool:
             if has_nonfinite(x):
                 return True
         elif _floating(x):
-            finite = torch.isfinite(x).all() if isinstance(x, torch.Tensor) else jnp.isfinite(x).all()
-            if not bool(finite):
+            # (a finite sum means every element is finite: one pass; see debugging/checks.py)
+            if isinstance(x, torch.Tensor):
+                nonfinite = not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all())
+            else:
+                nonfinite = not bool(jnp.isfinite(x.sum())) and not bool(jnp.isfinite(x).all())
+            if nonfinite:
                 return True
     return False
 
