@@ -172,3 +172,13 @@ def test_a_compiled_nan_names_the_users_line_in_forward_and_backward():
         # (the backward graph's div: AOTAutograd gives it the stack of the forward sqrt)
         with pytest.raises(NonFiniteError, match=rf"aten\.div\.Tensor.*\n  at .*{HERE}:{_line(g, 'sqrt')}"):
             loss.backward()
+
+
+def test_labelling_skips_views_made_under_no_grad():
+    """Regression (Gemma's embedding init): torch refuses the grad_fn of a view made under
+    no_grad and modified in place, once grad mode is back; labelling must not ask for it."""
+    with deferfuse.debug():
+        w = torch.nn.Parameter(torch.ones(3, 2))
+        with torch.no_grad():
+            w[0].fill_(0)
+        assert torch.tensor(2.0).item() == 2.0

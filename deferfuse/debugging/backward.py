@@ -65,7 +65,14 @@ def label_pending() -> None:
     place = _pending.place
     _pending.outputs, _pending.place = (), None
     for t in outputs:
-        node = t.grad_fn
+        if not t.requires_grad:
+            continue
+        try:
+            node = t.grad_fn
+        except RuntimeError:
+            # (a view made under no_grad whose base was since modified in place under grad
+            # mode: torch refuses to give its grad_fn, and raises when it is used, not here)
+            continue
         if node is not None:
             metadata = node.metadata
             if KEY not in metadata:
