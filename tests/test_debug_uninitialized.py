@@ -237,3 +237,10 @@ def test_a_defer_block_inside_debug_mode_pauses_tracking():
         assert (f + 1).tolist() == [2.0, 2.0]
         with pytest.raises(UninitializedReadError):     # tracked again after the block
             torch.empty(2) + 1
+
+
+def test_sparse_and_quantized_allocations_are_not_tracked():
+    with deferfuse.debug():
+        s = torch.empty((3, 3), layout=torch.sparse_coo)
+        assert s.coalesce().to_dense().sum().item() == 0.0
+        assert uninit.tracked_count() == 0

@@ -93,7 +93,9 @@ def tracked_count() -> int:
 
 
 def _plain(t: Any) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta
+    """A dense tensor over a storage we can track (not meta, sparse, quantized or a subclass)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided \
+        and not t.is_meta and not t.is_quantized
 
 
 def _lookup(t: torch.Tensor) -> Optional[Allocation]:
@@ -156,6 +158,13 @@ def _mask_of(allocation: Allocation, t: torch.Tensor) -> tuple[Optional[torch.Te
     elements it touches, flat).  Elements of another size than allocated ones (a ``view(dtype)``)
     cover the allocated elements their bytes touch."""
     size, itemsize = t.element_size(), allocation.itemsize
+    extent = (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
+    if extent > allocation.mask.numel() * itemsize:
+        # (the storage grew in a way no op showed us: its new memory counts as written, so
+        # that nothing is reported that we cannot be sure of)
+        grown = torch.ones(-(-extent // itemsize), dtype=torch.bool)
+        grown[:allocation.mask.numel()] = allocation.mask
+        allocation.mask = grown
     mask = allocation.mask
     if size == itemsize:
         return torch.as_strided(mask, t.shape, t.stride(), t.storage_offset()), None
