@@ -84,6 +84,16 @@ def test_a_broken_lowering_is_named_with_its_line_and_path(broken):
     assert "part at op #1" in text and "the op itself differs under defer" in text
 
 
+def test_under_a_default_defer_mode():
+    deferfuse.set_mode("defer")
+    try:
+        report = deferfuse.compare(_program, torch.randn(4, 5))
+    finally:
+        deferfuse.set_mode("strict")
+    assert report.agree and report.unmatched == 0, str(report)
+    assert report.ops_compared >= 7
+
+
 def test_the_arguments_are_copied_for_each_run():
     x = torch.ones(3)
 

@@ -47,6 +47,7 @@ from .. import config, engine, modes
 from ..capture.classify import OpKind, op_info
 from ..capture.dispatch_keys import no_dispatch
 from ..capture.tensor import DeferredTensor, computed_data, is_materialized, pending_node_id
+from ..errors import FlushReason
 from ..stats import STATS
 from . import scopes
 from .source import is_internal, user_line
@@ -447,7 +448,12 @@ def compare(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
                             fn(*defer_inputs[0], **defer_inputs[1])
                         except Exception as exc:  # noqa: BLE001 - reported below
                             defer_error = _error(exc)
-                # (the block's end computed every snapshot left)
+                    # (the block's end computes every snapshot left; inside a default defer
+                    # mode the block pushed nothing, and its end computes nothing)
+                    recorder = modes.active_recorder()
+                    if recorder is not None:
+                        with no_dispatch():
+                            recorder.flush_all(FlushReason.SYNC)
                 defer_run.compare_ready()
         except _Diverged as diverged:
             return diverged.report
