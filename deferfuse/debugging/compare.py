@@ -10,13 +10,16 @@ mode on top of each run sees every aten op the program calls, in program order, 
 up even where one run calls an op the other does not (printing a tensor formats it with ops of
 its own, which are left out).
 
-Strict's run keeps a copy of each op's outputs.  Defer's run records a ``clone`` of each pending
-output right after the op (a snapshot: a later in-place op cannot change it), which the flush
-computes with the op (it shares the op's work, so the flush widens to it); an output computed
-at once is copied as it is.  After every op, the snapshots computed so far are compared with
-strict's copies in program order, with the contract's tolerance (``torch.testing.assert_close``'s
-defaults for the dtype, NaN equal to NaN; integers and bools exact), and the first op that
-differs stops the program and is reported: its op, line, module path, both values in summary,
+Strict's run keeps a copy of each op's outputs.  Defer's run records a ``clone`` of each argument
+before the op and of each output after it (snapshots: a later in-place op cannot change them),
+which the flush computes with the op (they share the op's work, so the flush widens to them); an
+output computed at once is copied as it is.  After every op, the snapshots computed so far are
+compared with strict's copies in program order, with the contract's tolerance
+(``torch.testing.assert_close``'s defaults for the dtype, NaN equal to NaN; integers and bools
+exact).  An op beyond it is run again on torch over its argument snapshots: where torch then
+computes what defer did, the op is faithful and its inputs carried the difference (rounding
+grown through a deep network; the report notes the first such op as drift); otherwise the
+program stops there and the op is reported: its op, line, module path, both values in summary,
 and how defer computed it.  That path is what the engine says ran the snapshot's group
 (``engine.watching``: an eager replay, XLA with an executable compiled for it, loaded from the
 disk cache or held in memory, torch's kernel for a lone op), or, for an output that came back
