@@ -23,6 +23,7 @@ from . import errors
 from .errors import DeferfuseError, FallbackReason, FlushReason, LoweringError, ModeError
 from .modes import EagerMode, debug, defer, get_mode, mode, set_mode, strict
 from .debugging.explain import explain, plan_dot, stablehlo
+from .debugging.compare import compare
 from .kernels import jax_op
 from .stats import STATS as _STATS
 
@@ -30,7 +31,7 @@ __all__ = [
     "EagerMode", "mode", "defer", "debug", "strict", "set_mode", "get_mode", "sync",
     "is_materialized", "stats", "reset_stats", "config", "DeferredTensor", "DeferfuseError",
     "ModeError", "FlushReason", "FallbackReason", "LoweringError", "explain", "plan_dot", "stablehlo",
-    "jax_op",
+    "jax_op", "compare",
 ]
 
 

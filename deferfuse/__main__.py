@@ -1,8 +1,13 @@
 """python -m deferfuse [--mode M] script.py [args...]
+python -m deferfuse --compare script.py [args...]
 
 Runs an unchanged script under an eager mode (default: TORCHTPU_MODE, else defer), as if it had
 been started with ``python script.py args...``: same sys.argv, ``__name__ == "__main__"``, the
 script's folder first on sys.path, its exit code, and its traceback.
+
+``--compare`` runs the script twice, in strict mode and under defer, from the same random
+states, and prints where their values first part (``deferfuse.compare``, debugging/compare.py);
+the exit status is 0 where they agree, 1 where they do not.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default=None,
                         help="strict, debug or defer (TorchTPU names accepted); "
                              "default: $TORCHTPU_MODE, else defer")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the script in strict mode and under defer, from the same seeds, "
+                             "and report the first op whose outputs differ")
     parser.add_argument("script", help="path of the script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
@@ -31,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
+    if options.compare:
+        return _compare(options.script, options.args)
     from . import config
     from .modes import parse_mode
     chosen = options.mode if options.mode is not None else config.requested_mode() or "defer"
@@ -58,6 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _finish()
     return 0
+
+
+def _compare(script: str, args: list[str]) -> int:
+    import deferfuse
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    deferfuse.set_mode("strict")
+
+    def run() -> None:
+        try:
+            _run_as_main(script)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise RuntimeError(f"the script exited with status {exc.code}") from None
+
+    report = deferfuse.compare(run)
+    print(report)
+    return 0 if report.agree else 1
 
 
 def _run_as_main(script: str) -> None:

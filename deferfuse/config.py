@@ -192,7 +192,14 @@ _declare("compile_max_specializations", int, 16,
 _declare("explain_history", int, 16, "How many recent flush plans deferfuse.explain() keeps.")
 _declare("check_nans", bool, False,
          "In debug mode, raise at the first op whose output holds a NaN or Inf that its inputs "
-         "did not (costs one pass over every floating-point output).")
+         "did not (costs one pass over every floating-point output).  Graphs compiled by "
+         "torch.compile(backend='deferfuse') check each XLA partition's outputs and each op run "
+         "on torch the same way, naming the fx node's line (deferfuse/compile/checks.py).")
+_declare("check_uninitialized", bool, True,
+         "In debug mode, track memory allocated without values (empty*, new_empty*, what resize_ "
+         "or an out= resize adds) per element until it is written, and raise at an op that reads "
+         "an element nothing wrote, naming the allocation's line (deferfuse/debugging/uninit.py; "
+         "an op costs one dictionary test while nothing is tracked).")
 
 
 class _State(threading.local):

@@ -13,6 +13,7 @@ caches or compiles it, ``exec/executables.py``), and returns the results.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -31,9 +32,25 @@ from .plan.partition import Engine, Policy, SplitReason
 from .stats import STATS
 
 __all__ = ["clear_cache", "compiles_pending", "execute", "placement_policy", "profile_range",
-           "wait_for_compiles"]
+           "wait_for_compiles", "watching"]
 
 log = logging.getLogger("deferfuse")
+
+# Told, after each group runs, its nodes (their Values hold the results now) and how it ran
+# (the divergence finder, debugging/compare.py, names the path that computed a value).
+_WATCHERS: list[Callable[[list[Node], str], None]] = []
+
+
+@contextlib.contextmanager
+def watching(callback: Callable[[list[Node], str], None]):
+    """While inside, ``callback(nodes, how)`` after each group runs: ``how`` is its record's
+    ``ran_as`` ("torch", "eager replay", "xla", "eager (compiling)", ...), and for an XLA run
+    where its executable came from ("xla, compiled", "xla, disk", "xla, memory")."""
+    _WATCHERS.append(callback)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(callback)
 
 
 def placement_policy() -> Policy:
@@ -82,6 +99,11 @@ def execute(nodes: list[Node], outputs: list[Value], reason: str = "sync",
                 record.ran(group, "xla")
         for v, r in zip(group.outputs, results):
             v.result = r
+        if _WATCHERS:
+            ran = record.groups[_index_of(record, group)]
+            how = ran.ran_as if ran.ran_as != "xla" else f"xla, {ran.executable}"
+            for watcher in list(_WATCHERS):
+                watcher(group.nodes, how)
     return [v.result for v in outputs]
 
 

@@ -111,3 +111,8 @@ def raised_again(exc: BaseException) -> BaseException:
     again.add_note("deferfuse: this value's op failed when it was computed earlier; reading "
                    "it raises that error again")
     return again
+
+
+class UninitializedReadError(DebugCheckError):
+    """An op read elements of memory allocated without values (``empty*``, a resize) that
+    nothing had written (debug mode with check_uninitialized on)."""

@@ -192,6 +192,9 @@ def _push(kind: EagerMode, segmented: bool = False) -> object:
     steps.install(active_recorder)   # (after modules': see capture/steps.py)
     patches.install_numpy_reads()
     if kind is EagerMode.DEFER:
+        if any(k is EagerMode.DEBUG for k, _ in _stack.live):
+            from .debugging import uninit
+            uninit.pause()   # (its flushes write memory the debug mode below does not see)
         handle = _start_defer(segmented)
     else:
         from .debugging import DebugMode
@@ -207,10 +210,16 @@ def _pop(handle: object, *, ok: bool) -> None:
     assert top is handle, "deferfuse modes left torch's dispatch stack out of order"
     if kind is EagerMode.DEBUG:
         handle.__exit__(None, None, None)
-    elif ok:
-        _stop_defer(handle, FlushReason.CONTEXT_EXIT)
-    else:
-        _discard_defer(handle)
+        return
+    try:
+        if ok:
+            _stop_defer(handle, FlushReason.CONTEXT_EXIT)
+        else:
+            _discard_defer(handle)
+    finally:
+        if any(k is EagerMode.DEBUG for k, _ in _stack.live):
+            from .debugging import uninit
+            uninit.resume()
 
 
 def _suspend(kinds: tuple[EagerMode, ...]) -> list[tuple[EagerMode, object]]:

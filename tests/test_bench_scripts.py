@@ -23,3 +23,12 @@ def test_xla_flags_times_the_jax_step_beside_strict_in_fresh_processes(tmp_path,
 def test_xla_flags_names_an_unknown_setting():
     with pytest.raises(SystemExit, match="unknown settings \\['avx9'\\]"):
         xla_flags.main(["--only", "avx9"])
+
+
+def test_debug_overhead_times_every_variant_of_a_step(tmp_path):
+    from bench import debug_overhead
+    out = tmp_path / "debug_overhead.json"
+    assert debug_overhead.main(["--sizes", "tiny", "--rounds", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["steps"]
+    assert set(row["median_ms"]) == {"strict", *debug_overhead.VARIANTS}
+    assert row["ops_per_step"] > 500

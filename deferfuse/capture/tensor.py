@@ -282,6 +282,25 @@ def is_materialized(t: torch.Tensor) -> bool:
     return True
 
 
+def pending_node_id(t: torch.Tensor) -> Optional[int]:
+    """The id of the recorded node whose result a pending deferred tensor's storage will hold
+    (None for a computed or plain tensor): engine.watching's callback sees that node run."""
+    if not isinstance(t, DeferredTensor) or t._storage.contents is None:
+        return None
+    return t._storage.contents[1].node.id
+
+
+def computed_data(t: torch.Tensor) -> torch.Tensor:
+    """The data of a computed tensor: a plain tensor itself; a computed deferred tensor's view of
+    its storage's memory (nothing is flushed: ``is_materialized(t)`` must hold)."""
+    if not isinstance(t, DeferredTensor):
+        return t
+    if t._storage.contents is not None:
+        raise ValueError("computed_data() of a deferred tensor whose data is pending")
+    with no_dispatch():
+        return t._materialize(exposes=False)
+
+
 def dispatch_outside_context(func, args, kwargs) -> Any:
     """An op on DeferredTensors with no defer context active: run it eagerly on their data."""
     from . import flush

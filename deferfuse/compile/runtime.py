@@ -28,6 +28,7 @@ from .. import config
 from ..exec import executables, interop
 from ..stats import STATS
 from .._lazy import lazy_import
+from . import checks as checks_
 from . import plan as plan_
 from .plan import Draw, OnTorch, Partition, Plan, WriteBack, slot_of_arg
 
@@ -241,10 +242,23 @@ class _Run:
     def _on_torch(self, unit: OnTorch) -> None:
         node = unit.node
         args, kwargs = self._args(node, self.torch_value)
-        out = node.target(*args, **kwargs)
+        out = self._run_node(node, args, kwargs)
         self._store(node, out)
         if unit.fallback:
             STATS.compiled_fallbacks[str(node.target)] += 1
+
+    def _run_node(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+        """``node`` on torch: an error torch raises names the user's line; with check_nans, so
+        does a NaN or Inf the op makes from finite inputs."""
+        try:
+            out = node.target(*args, **kwargs)
+        except Exception as exc:
+            checks_.annotate(exc, node)
+            raise
+        if config.get("check_nans") and checks_.has_nonfinite(out if isinstance(out, (tuple, list)) else [out]) \
+                and not checks_.has_nonfinite([*args, *kwargs.values()]):
+            raise checks_.nonfinite_error(node)
+        return out
 
     def _run_partition(self, p: Partition) -> None:
         compiled = p.compiled
@@ -260,18 +274,33 @@ class _Run:
             self._partition_on_torch(p)
             return
         inputs = [self.jax_value(s) for s in p.inputs]
+        check_nans = config.get("check_nans")
+        finite_inputs = check_nans and not checks_.has_nonfinite(inputs)
         with executables.x64():
             results, failed, details = compiled.executable(inputs, np.zeros((0,), dtype=np.float64))
             jax.block_until_ready(results)
         STATS.executions += 1
         if compiled.checks:
-            for flag, value, (_, error, message) in zip(np.asarray(failed), np.asarray(details), compiled.checks):
+            for flag, value, (position, error, message) in zip(np.asarray(failed), np.asarray(details), compiled.checks):
                 if flag:
-                    raise error(message.replace("{value}", str(int(value))))
+                    raise error(message.replace("{value}", str(int(value))) + checks_.suffix(p.nodes[position]))
+        if finite_inputs and checks_.has_nonfinite(results):
+            self._find_nonfinite(p)
         for slot, r in zip(p.outputs, results):
             self.env[slot] = r
 
-    def _partition_on_torch(self, p: Partition) -> None:
+    def _find_nonfinite(self, p: Partition) -> None:
+        """Run ``p``'s nodes again on torch (its results are not stored) and raise at the first
+        that makes NaN or Inf from finite inputs."""
+        env = self.env
+        self.env = dict(env)
+        try:
+            self._partition_on_torch(p, counted=False)
+        finally:
+            self.env = env
+        raise checks_.nonfinite_error(None, ", ".join(sorted({str(n.target) for n in p.nodes})))
+
+    def _partition_on_torch(self, p: Partition, counted: bool = True) -> None:
         """Run a partition that could not compile op by op with torch (its draws are made)."""
         for node in p.nodes:
             args, kwargs = self._args(node, self.torch_value)
@@ -280,9 +309,10 @@ class _Run:
                 mask = self.env[(node.name, 1)]
                 out = (args[0] * mask * (0.0 if p1m == 0 else 1.0 / p1m), mask)
             else:
-                out = node.target(*args, **kwargs)
+                out = self._run_node(node, args, kwargs)
             self._store(node, out)
-            STATS.compiled_fallbacks[str(node.target)] += 1
+            if counted:
+                STATS.compiled_fallbacks[str(node.target)] += 1
 
     def outputs(self, output_node: torch.fx.Node) -> list:
         outs = output_node.args[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from typing import Optional
 
@@ -49,6 +50,23 @@ def _first_user_frame(frame):
             return frame
         frame = frame.f_back
     return None
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)', re.MULTILINE)
+
+
+def line_in_stack_trace(stack_trace: Optional[str]) -> Optional[str]:
+    """file:line of the innermost frame outside deferfuse, torch and jax in a formatted stack
+    (``traceback.format_stack``'s text, as an fx node's ``meta["stack_trace"]`` holds it); the
+    innermost frame where all are internal; None where there is none."""
+    if not stack_trace:
+        return None
+    frames = [(m["file"], m["line"]) for m in _FRAME.finditer(stack_trace)]
+    for filename, line in reversed(frames):
+        if not (filename.startswith(_INTERNAL_DIRS) or "/jax/" in filename or filename.startswith("<frozen")
+                or filename in _INTERNAL_FILES):
+            return f"{filename}:{line}"
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
 
 
 def user_source() -> Optional[str]:

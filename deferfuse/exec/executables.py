@@ -38,7 +38,8 @@ class Compiled:
     The executable is called ``(inputs, scalars) -> (results, failed, details)``: a JAX
     ``Compiled``, or one loaded from the disk cache (entryformat.LoadedProgram)."""
 
-    __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower", "nbytes")
+    __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower", "nbytes", "origin",
+                 "runs")
 
     def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]],
                  lowered: Any = None) -> None:
@@ -53,6 +54,8 @@ class Compiled:
         # (stablehlo()), so the StableHLO text is there without keeping the graph alive
         self.relower: Optional[Callable[[], Any]] = None
         self.nbytes = KERNEL_BYTES   # its resident size, estimated (_store's byte bound)
+        self.origin = "compiled"     # or "disk": loaded from the disk cache
+        self.runs = 0                # how many times a flush ran it (exec/runner.py counts)
 
 
 # Executables by signature, least recently used first.  Bounded twice: by count
@@ -359,6 +362,7 @@ def load_from_disk(sig: Any, make_program, avals: tuple, n_scalars: int) -> Opti
     compiled = Compiled(*loaded)
     compiled.nbytes = max(1, _code_regions() - regions) * KERNEL_BYTES
     compiled.signature = sig
+    compiled.origin = "disk"
     # (the program is made now, while the graph it reads is alive; tracing it waits)
     compiled.relower = functools.partial(lower_program, make_program(), avals, n_scalars)
     _store(sig, compiled)

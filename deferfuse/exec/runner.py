@@ -35,6 +35,8 @@ def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = Non
     sig = compiled.signature
     if group_record is not None:
         group_record.signature = sig
+        # (how this run got its executable: compiled for it, loaded from disk, or held in memory)
+        group_record.executable = compiled.origin if compiled.runs == 0 else "memory"
     if autotune.eager_is_faster(sig):
         return None
     started = time.perf_counter()
@@ -44,6 +46,7 @@ def execute_xla(nodes: list[Node], outputs: list[Value], group_record: Any = Non
         # DLPack export does not wait for the computation: torch must not see unfinished buffers
         jax.block_until_ready(results)
     STATS.executions += 1
+    compiled.runs += 1
     if compiled.checks:
         _raise_failed_checks(np.asarray(failed), np.asarray(details), compiled.checks, nodes)
     out = [interop.to_torch(r) for r in results]

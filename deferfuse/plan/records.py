@@ -39,6 +39,7 @@ class GroupRecord:
     node_ids: list[int]
     ran_as: str = "pending"
     signature: Any = None
+    executable: Optional[str] = None   # an XLA group's: "compiled" (its first run), "disk", "memory"
 
     # names are made only when someone looks: recording a plan is on every flush's path
     @property
