@@ -47,10 +47,15 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
                 flatten_detached(s)
                 nodes = None   # (a new node to compute)
             targets.append(s.contents[1])
-        if checked:
-            nodes = graph.ancestors(targets + checked)
-        elif nodes is None:
+        if nodes is None:
             nodes = graph.ancestors(targets)
+        if checked:
+            # (a check whose op the targets need runs with them; only the others, whose
+            # results nobody reads, are computed as outputs of their own)
+            needed = {n.id for n in nodes}
+            checked = [v for v in checked if v.node.id not in needed]
+            if checked:
+                nodes = graph.ancestors(targets + checked)
         all_states = states
         to_compute = [v for v in targets if v.result is None] + checked
         trigger = user_source() if recorder is None or recorder.record_source else None
