@@ -69,3 +69,18 @@ class Stats:
 
 
 STATS = Stats()
+
+
+# One-off costs of a process's first use of deferfuse's machinery (importing JAX and what torch's
+# meta kernels import, loading the lowering table, the first metadata inference): the block
+# tier's exploration budget (exec/blocks.py) leaves them out of what a place's deferred run
+# cost, since no later run pays them again.
+_STARTUP = [0.0]
+
+
+def note_startup(seconds: float) -> None:
+    _STARTUP[0] += seconds
+
+
+def startup_seconds() -> float:
+    return _STARTUP[0]

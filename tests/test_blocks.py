@@ -498,9 +498,10 @@ def test_a_remembered_choice_is_rechecked_as_seldom_and_watched_against_its_own_
 # -- the exploration budget (explore_share): trying the deferred way costs a bounded share ----
 @pytest.mark.parametrize("deferred, at_once", [(2.0, 1.0), (1.3, 1.0), (50.0, 1.0)])
 def test_trying_deferred_runs_costs_at_most_the_budget_over_strict(tier, deferred, at_once):
-    """A place where deferring never pays: it starts at once (as strict), and the deferred runs
-    it tries, first recordings and compiles included, cost at most explore_share of its time
-    over running everything at once (plus the one run that found out)."""
+    """A place where deferring never pays: the deferred runs it tries, first recordings and
+    compiles included, cost at most explore_share of its time over running everything at once,
+    plus a ``with`` block's credit (it asked to defer: blocks.BLOCK_CREDIT_S) and the one run
+    that found out."""
     clock = tier(deferred, at_once)
     x = torch.randn(13, 7)
     share = 0.05
@@ -510,9 +511,9 @@ def test_trying_deferred_runs_costs_at_most_the_budget_over_strict(tier, deferre
             y = _block(x, clock)
             types.append(type(y))
             torch.testing.assert_close(y, _strict(x))
-    assert types[0] is torch.Tensor   # (a new place runs at once, as strict)
     strict_time = 400 * at_once
-    assert clock.now <= strict_time * (1 + share) + (deferred - at_once), (clock.now, strict_time)
+    assert clock.now <= strict_time * (1 + share) + blocks.BLOCK_CREDIT_S + (deferred - at_once), \
+        (clock.now, strict_time)
     assert DeferredTensor in types   # (and it did try)
 
 
@@ -522,10 +523,25 @@ def test_where_deferring_pays_the_budget_is_not_spent_and_the_place_defers(tier)
     with config.override(explore_share=0.05):
         types = [type(_block(x, clock)) for _ in range(60)]
     assert _only_place().phase is Phase.DEFERRED
-    # at once until the first trial fits the budget; deferred runs cost nothing over at once,
-    # so from then on the tier alternates as with no budget
+    # deferred runs cost nothing over at once, so the tier alternates as with no budget
     first = types.index(DeferredTensor)
-    assert 1 <= first <= 10 and set(types[-10:]) == {DeferredTensor}
+    assert first <= 10 and set(types[-10:]) == {DeferredTensor}
+
+
+def test_a_default_mode_segment_starts_at_once_and_tries_within_its_budget(monkeypatch):
+    """A segment asks for nothing (no credit): it runs at once until a first deferred run fits
+    explore_share of its time."""
+    # (a first trial expected to cost a second: JAX and sympy not imported yet, say)
+    monkeypatch.setattr(blocks, "first_trial_estimate", lambda: 1.0)
+    choice = blocks.BlockChoice("segment:1")
+    with config.override(explore_share=0.05):
+        assert choice.runs_at_once
+        for _ in range(5):
+            choice.finished(1.0, True, at_once=True)
+        assert choice.runs_at_once   # (5 s: 0.25 s to spend, a first trial expected to cost more)
+        for _ in range(30):
+            choice.finished(1.0, True, at_once=True)
+        assert not choice.runs_at_once
 
 
 def test_a_compile_that_does_not_fit_the_budget_is_put_off(tier, monkeypatch):

@@ -72,7 +72,7 @@ from typing import Any, Optional
 
 from .. import config
 from ..errors import FlushReason
-from ..stats import STATS
+from ..stats import STATS, startup_seconds
 from . import diskcache, executables
 
 log = logging.getLogger("deferfuse")
@@ -87,6 +87,10 @@ DRIFT = 2.0             # a run this many times off the chosen way's median is a
 DRIFT_FLOOR = 2e-4      # ... and this many seconds off it (a 0.1 ms block jitters by 2x)
 _MAX_PLACES = 4096      # the table is emptied past this many places
 
+# A ``with deferfuse.defer():`` place's exploration credit: the user asked to defer there, so
+# it tries the deferred way from its first run, its first compile included where that is cheap
+# (a GELU chain: tens of ms), while a model step's compile (seconds) waits for the budget
+BLOCK_CREDIT_S = 1.0
 FIRST_TRIAL_S = 0.1     # a first deferred run's cost over at once, before one was timed ...
 JAX_START_S = 0.5       # ... importing JAX and starting its client, where nothing has yet ...
 SYMPY_START_S = 0.2     # ... and the first metadata inference's imports
@@ -133,10 +137,16 @@ class BlockChoice:
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
                  "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
-                 "compiling")
+                 "compiling", "credit", "unpriced", "startup")
 
-    def __init__(self, place: str, disk_place: Optional[str] = None) -> None:
+    def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0) -> None:
         self.place = place
+        # exploration the place may spend before any time has run there: a ``with defer()``
+        # block asks for deferral, so it tries it at once (BLOCK_CREDIT_S); a default mode's
+        # segment asks for nothing
+        self.credit = credit
+        self.unpriced: Optional[float] = None   # a deferred run's time, not yet compared
+        self.startup = startup_seconds()        # the process's one-off costs when a run started
         # the exploration budget: trying the deferred way may cost at most explore_share of
         # the time this place has run (elapsed); spent is what the deferred runs cost over
         # running at once (reference: recent runs at once) and the compiles they queued; trial
@@ -184,8 +194,10 @@ class BlockChoice:
         share = config.get("explore_share")
         if share >= 1.0:
             return True
+        if self.unpriced is not None:
+            return False   # (the last deferred run is priced against a run at once first)
         expected = self.trial if self.trial is not None else first_trial_estimate()
-        return self.spent + expected <= share * self.elapsed
+        return self.spent + expected <= share * self.elapsed + self.credit
 
     def starting(self, at_once: bool) -> None:
         """A run starts, ``at_once`` or deferred.  It will be timed at once only if no compile is
@@ -193,9 +205,10 @@ class BlockChoice:
         (``executables.allow_compiles``): a compile is a bet that the compiled way will pay, and
         a choice made on eager replays has not shown it yet."""
         self.compiling = executables.compiles_pending()
+        self.startup = startup_seconds()
         allowance = None
         if not at_once and config.get("explore_share") < 1.0:
-            left = config.get("explore_share") * self.elapsed - self.spent - (self.trial or 0.0)
+            left = config.get("explore_share") * self.elapsed + self.credit - self.spent - (self.trial or 0.0)
             allowance = max(0.0, left) / COMPILE_SHARE
         executables.allow_compiles(allowance)
 
@@ -207,7 +220,8 @@ class BlockChoice:
         if at_once is None:
             at_once = phase is Phase.AT_ONCE or phase is Phase.MEASURE_AT_ONCE
         executables.allow_compiles(None)
-        self._account(seconds, at_once)
+        # (a process's one-off costs, paid during this run, are no cost of this place's)
+        self._account(max(0.0, seconds - (startup_seconds() - self.startup)), at_once)
         if phase is Phase.MEASURE_DEFERRED and at_once:
             return   # (waiting for the budget: a run at once, counted as a reference only)
         if phase is Phase.MEASURE_AT_ONCE and (self.compiling or executables.compiles_pending()):
@@ -255,10 +269,18 @@ class BlockChoice:
             self.reference.append(seconds)
             if len(self.reference) > SAMPLES:
                 del self.reference[0]
+            if self.unpriced is not None:   # (a deferred run that had nothing to compare with)
+                self._charge(self.unpriced - seconds)
+                self.unpriced = None
         elif self.reference:
-            excess = max(0.0, seconds - _median(self.reference))
-            self.spent += excess
-            self.trial = excess
+            self._charge(seconds - _median(self.reference))
+        else:
+            self.unpriced = seconds   # (priced at the first run at once: may_try waits for it)
+
+    def _charge(self, excess: float) -> None:
+        excess = max(0.0, excess)
+        self.spent += excess
+        self.trial = excess
 
     def _measured(self) -> None:
         """After a timed run: the next goes the other way.  Once both ways have SAMPLES runs,
@@ -385,7 +407,7 @@ def choice_at(frame: Any) -> BlockChoice:
             _PLACES.clear()
         code = frame.f_code
         disk_place = _disk_place(code, frame.f_lineno)
-        found = BlockChoice(f"{code.co_filename}:{frame.f_lineno}", disk_place)
+        found = BlockChoice(f"{code.co_filename}:{frame.f_lineno}", disk_place, BLOCK_CREDIT_S)
         if key not in _LOOKED_UP and config.get("remember_blocks"):
             # (once per process: forget() makes places measure again)
             if len(_LOOKED_UP) >= _MAX_PLACES:
