@@ -180,9 +180,6 @@ class AtOnceMixin:
     # -- eager execution -----------------------------------------------------------------------
     def run_eager(self, func, info, args, kwargs, flush_reason: Optional[FlushReason],
                   fallback_reason: Optional[FallbackReason]) -> Any:
-        if fallback_reason is not None:
-            STATS.fallbacks[str(func)] += 1
-            STATS.fallback_reasons[fallback_reason.value] += 1
         written = written_arguments(func, info, args, kwargs) if info.written else []
         if written:
             # pending ops that read what this op overwrites must see the old data
@@ -191,6 +188,11 @@ class AtOnceMixin:
         exposes = info.kind not in FRESH_RESULT_KINDS or fallback_reason is FallbackReason.OPAQUE
         real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK, exposes)
         out = func(*real_args, **real_kwargs)
+        if fallback_reason is not None:
+            # (counted once it ran: a call torch rejects raised strict's error, and fell back
+            # from nothing)
+            STATS.fallbacks[str(func)] += 1
+            STATS.fallback_reasons[fallback_reason.value] += 1
         if written:
             self._forget_plain()   # (an out= tensor may have been resized)
         for t in written:
