@@ -246,3 +246,27 @@ def test_mode_changes_while_a_segment_runs_at_once(clock):
             deferfuse.set_mode("strict")
     assert _deferfuse_modes_on_the_stack() == []
     assert modes.get_mode() is deferfuse.EagerMode.STRICT
+
+
+def test_asking_for_deterministic_algorithms_ends_a_segment_at_once():
+    """Found by corpus/resume_checkpoint.py: a program that calls
+    ``torch.use_deterministic_algorithms(True)`` first thing, under ``TORCHTPU_MODE=defer``,
+    ran its first step at once (the default mode starts at once until its exploration budget
+    allows a deferred run) and every later one compiled: training resumed from a checkpoint
+    then rounded differently from the uninterrupted run.  Asking for determinism ends the
+    segment running at once: from that call on, the program runs as under always_compile."""
+    blocks.forget()
+    with config.override(eager_segments=True, always_compile=False, explore_share=0.05, cache_dir=""):
+        deferfuse.set_mode("defer")
+        try:
+            assert modes.active_recorder().at_once_segment
+            torch.use_deterministic_algorithms(True)
+            assert not modes.active_recorder().at_once_segment
+            x = torch.randn(5)
+            y = (x * 2).sin()
+            assert type(y).__name__ == "DeferredTensor"
+            torch.testing.assert_close(y.sum().item(), float(torch.sin(x.detach() * 2).sum()))
+        finally:
+            torch.use_deterministic_algorithms(False)
+            deferfuse.set_mode("strict")
+            blocks.forget()

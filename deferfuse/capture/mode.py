@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
+from .. import config
 from ..debugging.source import forget_frames, is_internal, user_line_from
 from ..stats import STATS
 from . import meta as meta_
@@ -197,6 +198,14 @@ class SegmentedDeferMode(DeferMode):
             # it is a boundary (Segments.discover)
             segments.discover(recorder)
         self.settle()
+
+    def tiers_changed(self) -> None:
+        """The shortcuts may have changed (``torch.use_deterministic_algorithms``): a segment
+        running at once while the segment tier is now off goes deferred from here."""
+        recorder = self.recorder
+        if recorder.active and recorder.at_once_segment and not config.shortcuts().segments_timed:
+            recorder.segments.discover(recorder)
+            self.settle()
 
     def settle(self) -> None:
         """Off torch's dispatch stack while the segment runs at once, on it while deferred."""

@@ -396,6 +396,23 @@ BLOCK_PATCHES = Patches(lambda: [
 # (their memory is current; its results are deferred tensors, which materialize themselves)
 # never installs them.  A default defer mode under eager_segments holds them too, for as long
 # as it is on: every read, SCALAR_READS included, then tells it where a segment ends.
-READ_PATCHES = Patches(lambda: [(torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
-                                  for name, reason in (*PLAIN_READS.items(),
-                                                       *((n, None) for n in SCALAR_READS))])
+READ_PATCHES = Patches(lambda: [*((torch.Tensor, name, _reading(getattr(torch.Tensor, name), reason))
+                                   for name, reason in (*PLAIN_READS.items(),
+                                                        *((n, None) for n in SCALAR_READS))),
+                                 (torch, "use_deterministic_algorithms",
+                                  _tiers_told(torch.use_deterministic_algorithms))])
+
+
+def _tiers_told(original):
+    """``torch.use_deterministic_algorithms``, which also tells this thread's default mode: a
+    program that asks for the same bits on every run right after it starts, while its first
+    segment runs at once, must not run that segment on torch's kernels in one run and XLA's
+    in another (config.shortcuts)."""
+    @functools.wraps(original)
+    def told(*args, **kwargs):
+        result = original(*args, **kwargs)
+        mode = SEGMENT_READS.mode
+        if mode is not None:
+            mode.tiers_changed()
+        return result
+    return told
