@@ -199,6 +199,50 @@ def test_convolution(dtype):
     lowered(fn, cases, **TOL.get(dtype, {}))
 
 
+# (input shape, weight shape, layout): oneDNN and the 2-D slow path keep a channels-last input's
+# or weight's layout; the 3-D slow path (a 1x1x1 filter on one small image) writes contiguous
+CONV_LAYOUTS = [
+    ((2, 3, 6, 6), (8, 3, 3, 3), "input"), ((1, 3, 6, 6), (8, 3, 3, 3), "input"),
+    ((2, 3, 6, 6), (8, 3, 3, 3), "weight"), ((1, 2, 3, 4), (2, 2, 1, 1), "weight"),
+    ((2, 4, 5, 5, 5), (6, 4, 3, 3, 3), "input"), ((1, 2, 3, 4, 5), (2, 2, 1, 1, 1), "input"),
+    ((2, 3, 6, 6), (8, 3, 3, 3), "neither"),
+]
+
+
+@pytest.mark.parametrize("path", ["compiled", "replayed"])
+@pytest.mark.parametrize("x_shape, w_shape, layout", CONV_LAYOUTS)
+def test_convolution_strides_are_the_cpu_kernels(x_shape, w_shape, layout, path):
+    """Found by corpus/channels_last_conv.py: a channels-last-3d input of a 1x1x1 Conv3d gave a
+    channels-last output under defer, where torch's CPU kernel (its 3-D slow path) writes it
+    contiguous.  The output's and both gradients' strides are strict's, on every path."""
+    fmt = torch.channels_last if len(x_shape) == 4 else torch.channels_last_3d
+    torch.manual_seed(0)
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    if layout == "input":
+        x = x.to(memory_format=fmt)
+    elif layout == "weight":
+        w = w.to(memory_format=fmt)
+    conv = torch.ops.aten.convolution.default
+    nd = len(x_shape) - 2
+    params = ([1] * nd, [0] * nd, [1] * nd, False, [0] * nd, 1)
+
+    def fn(x, w):
+        y = conv(x, w, None, *params)
+        grads = torch.ops.aten.convolution_backward.default(
+            torch.ones_like(y), x, w, None, *params, [True, True, False])
+        return y, grads[0], grads[1]
+
+    expected = fn(x, w)
+    settings = dict(always_compile=True) if path == "compiled" else dict(always_compile=False, eager_first_runs=1)
+    with deferfuse.config.override(cache_dir="", background_compile=False, **settings):
+        with deferfuse.defer():
+            got = fn(x, w)
+            strides = [t.stride() for t in got]
+    for e, g, s in zip(expected, got, strides):
+        assert s == e.stride() and g.stride() == e.stride()
+        torch.testing.assert_close(g, e)
+
+
 def test_integer_convolution_is_exact():
     x = torch.randint(-50, 50, (2, 3, 6, 6))
     w = torch.randint(-9, 9, (4, 3, 3, 3))

@@ -443,44 +443,73 @@ def _from_shape_rule(op: torch._ops.OpOverload):
     return correct
 
 
-def _channels_last(m: TensorMeta) -> bool:
-    """Whether ``m`` is laid out channels-last (4-D) or channels-last-3d (5-D), not contiguous."""
-    if len(m.shape) not in (4, 5) or m.is_contiguous:
-        return False
-    fmt = torch.channels_last if len(m.shape) == 4 else torch.channels_last_3d
-    return torch.empty_strided(m.shape, m.stride, device="meta").is_contiguous(memory_format=fmt)
+def _memory_format(m: TensorMeta) -> torch.memory_format:
+    """torch's ``suggest_memory_format`` of a tensor laid out as ``m`` (channels-last strides,
+    ambiguous ones of size-1 dimensions included, as the convolution kernels read them)."""
+    from torch._prims_common import suggest_memory_format
+    return suggest_memory_format(torch.empty_strided(m.shape, m.stride, device="meta"))
 
 
-def _in_format(m: TensorMeta) -> TensorMeta:
-    """``m`` laid out channels-last (channels-last-3d for 5-D), as a fresh tensor would be."""
-    fmt = torch.channels_last if len(m.shape) == 4 else torch.channels_last_3d
-    t = torch.empty(m.shape, device="meta").contiguous(memory_format=fmt)
+def _in_format(m: TensorMeta, fmt: torch.memory_format) -> TensorMeta:
+    """``m`` laid out in ``fmt``, as a fresh tensor would be."""
+    t = torch.empty(m.shape, device="meta", memory_format=fmt)   # (ambiguous strides as torch makes them)
     return m._replace(stride=tuple(t.stride()), offset=0)
 
 
+# The convolution backends whose outputs take the channels-last layout of their input or weight
+# (torch's _determine_backend_memory_format: oneDNN's, and the 2-D slow paths'); every other CPU
+# backend (the 3-D slow paths, ...) writes them contiguous.
+_LAYOUT_KEEPING_BACKENDS = frozenset({"Mkldnn", "MkldnnTranspose", "Slow2d", "SlowDilated2d", "SlowTranspose2d"})
+
+
+def _convolution_format(x: TensorMeta, w: TensorMeta, params: tuple) -> torch.memory_format:
+    """The layout the CPU kernel gives a convolution's output and gradients: channels-last where
+    the input or the weight is and the backend torch picks for the call keeps it.  The backend
+    depends on sizes, dtype and threads (oneDNN's 1x1 filters on one small image go to the slow
+    path), so torch picks it here, on fake tensors of the call's metadata
+    (``_select_conv_backend``)."""
+    fmt = _memory_format(x)
+    if fmt == torch.contiguous_format:
+        fmt = _memory_format(w)
+    if fmt == torch.contiguous_format:
+        return fmt
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    stride, padding, dilation, transposed, output_padding, groups = params
+    with FakeTensorMode():
+        fx, fw = (torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in (x, w))
+        backend = torch._C._select_conv_backend(fx, fw, None, stride, padding, dilation, transposed,
+                                                output_padding, groups, None)
+    return fmt if str(backend).rsplit(".", 1)[-1] in _LAYOUT_KEEPING_BACKENDS else torch.contiguous_format
+
+
+def _laid_out(o: Optional[TensorMeta], fmt: torch.memory_format, ndim: int) -> Optional[TensorMeta]:
+    if o is None or len(o.shape) != ndim or o.numel <= 1:
+        return o
+    return _in_format(o, fmt)
+
+
 def _convolution_layout(outs: tuple, args: tuple, kwargs: dict) -> tuple:
-    """A convolution's output: the CPU kernel (oneDNN, and the slow path) lays it out
-    channels-last when its input or its weight is (torch's mkldnn_conv_use_channels_last); the
-    meta kernel lays it out contiguous.  ``y.permute(0, 2, 3, 1).view(-1, C)`` of a channels-last
-    model's activations then raised under defer."""
+    """A convolution's output, laid out as the CPU kernel lays it (``_convolution_format``); the
+    meta kernel's differs (``y.permute(0, 2, 3, 1).view(-1, C)`` of a channels-last model's
+    activations raised under defer)."""
     x, w = args[0], args[1]
-    if not (isinstance(x, TensorMeta) and isinstance(w, TensorMeta)) or not (_channels_last(x) or _channels_last(w)):
+    if not (isinstance(x, TensorMeta) and isinstance(w, TensorMeta)) or len(x.shape) not in (4, 5):
         return outs
-    return tuple(_in_format(o) if o is not None and len(o.shape) == len(x.shape) and o.numel > 1 else o for o in outs)
+    fmt = _convolution_format(x, w, tuple(args[3:9]))
+    return tuple(_laid_out(o, fmt, len(x.shape)) for o in outs)
 
 
 def _convolution_backward_layout(outs: tuple, args: tuple, kwargs: dict) -> tuple:
-    """convolution_backward's gradients, laid out as the CPU kernel lays them: grad_input and
-    grad_weight channels-last where the forward's input or weight was."""
-    grad_output, x, w = args[0], args[1], args[2]
-    if not all(isinstance(t, TensorMeta) for t in (grad_output, x, w)) \
-            or not (_channels_last(x) or _channels_last(w) or _channels_last(grad_output)):
+    """convolution_backward's gradients of the input and the weight, laid out as the forward's
+    output (the layout of grad_output does not matter: the kernel converts it)."""
+    x, w = args[1], args[2]
+    if not all(isinstance(t, TensorMeta) for t in (x, w)) or len(x.shape) not in (4, 5):
         return outs
+    fmt = _convolution_format(x, w, tuple(args[4:10]))
     fixed = list(outs)
     for i in (0, 1):   # (grad_input, grad_weight; the bias's gradient is 1-D)
-        o = fixed[i] if i < len(fixed) else None
-        if o is not None and len(o.shape) in (4, 5) and o.numel > 1:
-            fixed[i] = _in_format(o)
+        if i < len(fixed):
+            fixed[i] = _laid_out(fixed[i], fmt, len(x.shape))
     return tuple(fixed)
 
 
