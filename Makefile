@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench,tokamax]'
 	# the host kernels (torch's CPU products inside XLA programs), built into the cache folder
 	# now rather than at first use; a failure is not fatal (XLA's own dots run instead)
-	-$(PY) -m deferfuse.native.hostkernels
+	-$(PY) -m deferfuse.native
 	touch $(STAMP)
 
 test: $(STAMP)

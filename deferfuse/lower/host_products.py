@@ -50,10 +50,23 @@ _TARGETS = {aten.mm.default: hostkernels.TARGETS["mm"], aten.bmm.default: hostke
             aten.baddbmm.default: hostkernels.TARGETS["baddbmm"]}
 
 
+def takes(op: Any, dtype: torch.dtype) -> bool:
+    """Whether a handler computes ``op`` with results of ``dtype``."""
+    return op in _TARGETS and dtype in DTYPES
+
+
+def hosted(op: Any, dtype: torch.dtype) -> bool:
+    """Whether a program compiled now lowers ``op`` (results of ``dtype``) to a host kernel.
+    Such a product needs no ``order_compute`` tie: that tie kept XLA's dot's left-hand operand
+    row-major, and an optimization barrier on the operand would stop XLA from cancelling the
+    transposes that give the handler strict's layout (it copied them instead)."""
+    return takes(op, dtype) and hostkernels.use_on(jax.default_backend())
+
+
 def applies(ctx: LoweringContext) -> bool:
     """Whether this call lowers to a host kernel: an op and dtype the handlers take, a program
     for the CPU, and the handlers registered (counted when they are not)."""
-    if ctx.op not in _TARGETS or ctx.out[0].dtype not in DTYPES:
+    if not takes(ctx.op, ctx.out[0].dtype):
         return False
     platform = jax.default_backend()
     if hostkernels.use_on(platform):

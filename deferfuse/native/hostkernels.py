@@ -9,7 +9,7 @@ XLA computation, as XLA on a GPU calls cuBLAS.
 
 **Build.**  With the C++ compiler (``CXX``, else ``g++``) against the headers and libraries of
 the torch and jaxlib this process imported, at first use (or ``python -m
-deferfuse.native.hostkernels``, which ``make install`` runs).  The library is kept in the cache
+deferfuse.native``, which ``make install`` runs).  The library is kept in the cache
 folder (``<cache_dir>/native/host_kernels-<fingerprint>.so``), named by a hash of the source, the
 compile command and the versions of torch and jaxlib, so another torch or jaxlib builds its own.
 It is written to a temporary file and renamed: two processes building at once each rename a
@@ -223,7 +223,7 @@ def clear() -> None:
 
 
 def main() -> int:
-    """``python -m deferfuse.native.hostkernels``: build the library into the cache folder."""
+    """``python -m deferfuse.native``: build the library into the cache folder."""
     if ensure():
         print(f"deferfuse host kernels: {_state['library']}")
         return 0
@@ -231,6 +231,3 @@ def main() -> int:
           file=sys.stderr)
     return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
