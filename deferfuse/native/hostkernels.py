@@ -64,8 +64,12 @@ _registered: list = []                   # (path, ctypes handle) of the library 
 
 
 def _torch_paths() -> tuple[list[str], list[str]]:
-    from torch.utils import cpp_extension
-    return cpp_extension.include_paths(), cpp_extension.library_paths()
+    """torch's C++ headers and libraries, where ``torch.utils.cpp_extension`` finds them
+    (without importing it: it imports setuptools, ~50 ms, and the disk cache's key asks)."""
+    import torch
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    include = os.path.join(root, "include")
+    return [include, os.path.join(include, "torch", "csrc", "api", "include")], [os.path.join(root, "lib")]
 
 
 @functools.cache
@@ -209,10 +213,16 @@ def status() -> dict[str, Optional[str]]:
 
 
 def key() -> str:
-    """What the disk cache's key holds of the host kernels: the library's fingerprint where an
-    executable compiled here may call them, "off" where it calls XLA's dots instead."""
+    """What the disk cache's key holds of the host kernels: the library's fingerprint where a
+    program compiled here calls them, "off" where its products are XLA's dots.  It builds
+    nothing: a process whose programs have no products never needs the library, and one whose
+    build fails afterwards keys its later programs "off" (an entry found meanwhile that calls
+    the kernels is refused by the disk cache's prepare_targets, which needs them loaded)."""
     import jax as jax_module
-    return fingerprint() if use_on(jax_module.default_backend()) else "off"
+    if not config.get("host_kernels") or jax_module.default_backend() != PLATFORM \
+            or ("library" in _state and _state["library"] is None):
+        return "off"
+    return fingerprint()
 
 
 def clear() -> None:
