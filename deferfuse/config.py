@@ -89,8 +89,8 @@ _declare("order_compute", bool, True,
          "does.  See docs/architecture.md.",
          affects_compile=True)
 _declare("host_kernels", bool, True,
-         "On the CPU, run the matrix products of XLA programs (mm, addmm, bmm, baddbmm, and "
-         "matmul and linear through them) on torch's own kernels, as XLA FFI custom calls inside "
+         "On the CPU, run the matrix products and convolutions of XLA programs (mm, addmm, bmm, "
+         "baddbmm, matmul and linear through them, convolution and its backward) on torch's own kernels, as XLA FFI custom calls inside "
          "the program: strict's speed and bits, operands' transposes passed as strides.  The "
          "handlers are compiled at first use (a C++ compiler is needed; without one XLA's dots "
          "run, with one warning).  See deferfuse/native/hostkernels.py.", affects_compile=True)

@@ -88,6 +88,36 @@ def test_products_give_stricts_bits(name, fn, shapes, dtype):
     assert deferfuse.stats()["host_kernel_fallbacks"] == {}
 
 
+def _conv_backward(x, w, b, **kwargs):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    out = F.conv2d(x * 1, w, b, **kwargs)
+    return torch.autograd.grad((out * out).sum(), (x, w, b))
+
+
+CONVOLUTIONS = [
+    ("conv2d", lambda x, w, b: F.conv2d(x * 1, w, b, padding=1)),
+    ("conv2d stride dilation groups", lambda x, w, b: F.conv2d(x * 1, w[:, :4], b, stride=2, dilation=2, groups=2)),
+    ("conv2d channels-last", lambda x, w, b: F.conv2d((x * 1).contiguous(memory_format=torch.channels_last), w, b, padding=1)),
+    ("conv_transpose2d", lambda x, w, b: F.conv_transpose2d(x * 1, w.transpose(0, 1).contiguous(), stride=2, output_padding=1)),
+    ("conv1d", lambda x, w, b: F.conv1d(x[:, :, 0] * 1, w[:, :, 0], b, padding=1)),
+    ("conv3d", lambda x, w, b: F.conv3d((x * 1).reshape(2, 8, 4, 4, 16), w[..., None].expand(12, 8, 3, 3, 2), b)),
+    ("conv2d backward", lambda x, w, b: _conv_backward(x, w, b, padding=1)),
+    ("conv2d backward groups", lambda x, w, b: _conv_backward(x, w[:, :4], b, stride=2, groups=2)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, fn", CONVOLUTIONS, ids=[c[0] for c in CONVOLUTIONS])
+def test_convolutions_give_stricts_bits(name, fn, dtype):
+    x, w, b = _data(2, 8, 16, 16, dtype=dtype), _data(12, 8, 3, 3, dtype=dtype, seed=1), _data(12, dtype=dtype, seed=2)
+    expected = fn(x, w, b)
+    out = _deferred(fn, x, w, b)
+    for got, want in zip(*(o if isinstance(o, tuple) else (o,) for o in (out, expected))):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert deferfuse.stats()["host_kernel_products"] >= 1
+
+
 def test_integer_products_stay_xla():
     a, b = torch.randint(-5, 5, (16, 24)), torch.randint(-5, 5, (24, 8))
     out = _deferred(lambda a, b: (a * 1) @ b, a, b)

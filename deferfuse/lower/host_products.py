@@ -1,9 +1,13 @@
-"""Matrix products as calls into torch's own CPU kernels (deferfuse/native/host_kernels.cc).
+"""Matrix products and convolutions as calls into torch's own CPU kernels
+(deferfuse/native/host_kernels.cc).
 
 On XLA's CPU platform, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` of the floating dtypes torch's
 CPU gemm takes (float32, float64, bfloat16, float16) lower to an XLA FFI custom call whose
 handler calls the structured CPU kernel strict runs (``at::cpu::mm_out``, ...).  ``matmul``,
 ``linear`` and ``einsum`` reach the dispatch mode as these ops plus views, so they follow.
+``convolution`` and ``convolution_backward`` call ``at::convolution`` and
+``at::convolution_backward``; their results are laid out as strict's (a channels-last input
+gives a channels-last result) and transposed back to logical order in the program.
 
 **Operands keep strict's layout.**  XLA hands a custom call row-major buffers, where strict's
 kernel gets views (``x.t()`` in every weight gradient: a column-major matrix, which BLAS reads
@@ -27,11 +31,12 @@ build: native/hostkernels.py warns once) the products lower to XLA's dots, each 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from . import dtypes as dtypes_
 from ..ir.meta import TensorMeta
 from ..native import hostkernels
 from ..stats import STATS
@@ -47,7 +52,9 @@ aten = torch.ops.aten
 DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 _TARGETS = {aten.mm.default: hostkernels.TARGETS["mm"], aten.bmm.default: hostkernels.TARGETS["bmm"],
             aten.addmm.default: hostkernels.TARGETS["addmm"],
-            aten.baddbmm.default: hostkernels.TARGETS["baddbmm"]}
+            aten.baddbmm.default: hostkernels.TARGETS["baddbmm"],
+            aten.convolution.default: hostkernels.TARGETS["convolution"],
+            aten.convolution_backward.default: hostkernels.TARGETS["convolution_backward"]}
 
 
 def takes(op: Any, dtype: torch.dtype) -> bool:
@@ -66,7 +73,7 @@ def hosted(op: Any, dtype: torch.dtype) -> bool:
 def applies(ctx: LoweringContext) -> bool:
     """Whether this call lowers to a host kernel: an op and dtype the handlers take, a program
     for the CPU, and the handlers registered (counted when they are not)."""
-    if not takes(ctx.op, ctx.out[0].dtype):
+    if not ctx.out or not takes(ctx.op, ctx.out[0].dtype):
         return False
     platform = jax.default_backend()
     if hostkernels.use_on(platform):
@@ -86,17 +93,48 @@ def _physical_order(meta: TensorMeta) -> tuple[int, ...]:
     return tuple(next(ranked) if meta.shape[d] != 1 else d for d in range(len(meta.shape)))
 
 
-def operand(x: Any, meta: TensorMeta) -> tuple[Any, np.ndarray, np.ndarray]:
-    """(the array to pass, the logical sizes, the strides of the view over it) for one operand:
-    strict's strides where its layout is dense, the same order of dims packed where not."""
+def _layout(meta: TensorMeta) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """(the physical order of dims, the logical sizes, the strides of the view over a buffer
+    packed in that order): strict's strides where its layout is dense."""
     order = _physical_order(meta)
-    physical = x if order == tuple(range(len(order))) else jnp.transpose(x, order)
     strides = [0] * len(order)
     step = 1
     for d in reversed(order):
         strides[d] = step if meta.shape[d] != 1 else meta.stride[d]
         step *= meta.shape[d]
-    return physical, np.asarray(meta.shape, np.int64), np.asarray(strides, np.int64)
+    return order, np.asarray(meta.shape, np.int64), np.asarray(strides, np.int64)
+
+
+def operand(x: Any, meta: TensorMeta) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(the array to pass, the logical sizes, the strides of the view over it) for one operand:
+    strict's strides where its layout is dense, the same order of dims packed where not."""
+    order, sizes, strides = _layout(meta)
+    physical = x if order == tuple(range(len(order))) else jnp.transpose(x, order)
+    return physical, sizes, strides
+
+
+def _results(metas: tuple, attributes: dict) -> tuple[list, list]:
+    """The result types of a call whose results are laid out as strict's (``metas``), with the
+    attributes that view them (``out<i>_sizes``, ``out<i>_strides``), and the permutation that
+    takes each back to its logical order.  None in ``metas``: a result torch leaves undefined,
+    an empty buffer."""
+    types, inverses = [], []
+    for i, meta in enumerate(metas):
+        if meta is None:
+            types.append(jax.ShapeDtypeStruct((0,), jnp.float32))
+            inverses.append(None)
+            attributes[f"out{i}_sizes"] = attributes[f"out{i}_strides"] = np.zeros((1,), np.int64)
+            continue
+        order, sizes, strides = _layout(meta)
+        types.append(jax.ShapeDtypeStruct(tuple(meta.shape[d] for d in order), dtypes_.to_jax(meta.dtype)))
+        inverses.append(tuple(np.argsort(order)))
+        attributes[f"out{i}_sizes"], attributes[f"out{i}_strides"] = sizes, strides
+    return types, inverses
+
+
+def _logical(result: Any, inverse: Optional[tuple]) -> Any:
+    return result if inverse is None or inverse == tuple(range(len(inverse))) \
+        else jnp.transpose(result, inverse)
 
 
 def call(ctx: LoweringContext, arrays: tuple, metas: tuple, names: tuple, factors: tuple = ()) -> Any:
@@ -123,3 +161,58 @@ def add_product(ctx: LoweringContext, x: Any, a: Any, b: Any, beta: Any, alpha: 
     """``addmm``/``baddbmm`` through the host kernel (torch's kernel applies beta and alpha,
     with its own treatment of zeros)."""
     return call(ctx, (x, a, b), ctx.args[:3], ("c", "a", "b"), (beta, alpha))
+
+
+def _ints(values: Any, n: int) -> np.ndarray:
+    """An int-list argument as its ``n`` values (aten accepts one value for all dims)."""
+    values = [values] if isinstance(values, int) else list(values)
+    return np.asarray(values * n if len(values) == 1 else values, np.int64)
+
+
+def _conv_attributes(nd: int, stride, padding, dilation, transposed, output_padding, groups) -> dict:
+    return {"stride": _ints(stride, nd), "padding": _ints(padding, nd), "dilation": _ints(dilation, nd),
+            "transposed": np.int64(bool(transposed)), "output_padding": _ints(output_padding, nd),
+            "groups": np.int64(groups)}
+
+
+def convolution(ctx: LoweringContext, x: Any, w: Any, bias: Any, stride, padding, dilation,
+                transposed, output_padding, groups) -> Any:
+    """``aten.convolution`` through the host kernel (torch's ``at::convolution``)."""
+    x_meta, w_meta, bias_meta = ctx.args[:3]
+    attributes = _conv_attributes(len(x_meta.shape) - 2, stride, padding, dilation, transposed,
+                                  output_padding, groups)
+    arrays = []
+    for name, array, meta in (("input", x, x_meta), ("weight", w, w_meta), ("bias", bias, bias_meta)):
+        if meta is None:   # (no bias: an empty operand, not viewed)
+            array, sizes, strides = jnp.zeros((0,), x.dtype), np.zeros((1,), np.int64), np.zeros((1,), np.int64)
+        else:
+            array, sizes, strides = operand(array, meta)
+        arrays.append(array)
+        attributes[f"{name}_sizes"], attributes[f"{name}_strides"] = sizes, strides
+    attributes["has_bias"] = np.int64(bias_meta is not None)
+    types, inverses = _results(ctx.out[:1], attributes)
+    (out,) = jax.ffi.ffi_call(_TARGETS[ctx.op], types)(*arrays, **attributes)
+    return _logical(out, inverses[0])
+
+
+def convolution_backward(ctx: LoweringContext, grad_output: Any, x: Any, w: Any, bias_sizes,
+                         stride, padding, dilation, transposed, output_padding, groups,
+                         output_mask) -> tuple:
+    """``aten.convolution_backward`` through the host kernel; the outputs torch leaves
+    undefined (``output_mask``) are absent from ``ctx.out`` and from the result."""
+    g_meta, x_meta, w_meta = ctx.args[:3]
+    attributes = _conv_attributes(len(x_meta.shape) - 2, stride, padding, dilation, transposed,
+                                  output_padding, groups)
+    arrays = []
+    for name, array, meta in (("grad_output", grad_output, g_meta), ("input", x, x_meta),
+                              ("weight", w, w_meta)):
+        array, attributes[f"{name}_sizes"], attributes[f"{name}_strides"] = operand(array, meta)
+        arrays.append(array)
+    attributes["has_bias"] = np.int64(bias_sizes is not None)
+    attributes["bias_sizes"] = np.asarray(list(bias_sizes) if bias_sizes is not None else [0], np.int64)
+    attributes["output_mask"] = np.asarray([bool(m) for m in output_mask], np.int64)
+    wanted = iter(ctx.out)
+    metas = tuple(next(wanted) if m else None for m in output_mask)
+    types, inverses = _results(metas, attributes)
+    outs = jax.ffi.ffi_call(_TARGETS[ctx.op], types)(*arrays, **attributes)
+    return tuple(_logical(o, inv) for o, inv, m in zip(outs, inverses, output_mask) if m)

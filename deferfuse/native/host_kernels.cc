@@ -1,5 +1,10 @@
 // deferfuse's host kernels: matrix products of an XLA:CPU program run by torch's own CPU kernels.
 //
+// Convolutions call at::convolution and at::convolution_backward, the ops strict's autograd calls,
+// which pick the same backend (oneDNN, or torch's own loops) from the same layouts; they return
+// new tensors, copied into XLA's result buffers viewed with strict's output strides (a copy
+// of the same layout).
+//
 // Each handler is an XLA FFI custom call (jax.ffi.ffi_call) that wraps XLA's buffers as
 // at::Tensor views, without copying, and calls the structured CPU kernel strict PyTorch runs for
 // the same aten op (at::cpu::mm_out, addmm_out, bmm_out, baddbmm_out).  An operand arrives as
@@ -19,6 +24,8 @@
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -179,7 +186,116 @@ ffi::Error Baddbmm(ffi::AnyBuffer c, ffi::AnyBuffer a, ffi::AnyBuffer b, Factor 
                     beta, alpha, out);
 }
 
+// A result buffer viewed with the logical sizes and strides of strict's result.
+ffi::Error ResultView(const char* name, ffi::Result<ffi::AnyBuffer>& buffer, Dims sizes, Dims strides,
+                      at::Tensor* out) {
+  return View(name, *buffer, sizes, strides, out);
+}
+
+c10::IntArrayRef Ints(Dims dims) { return c10::IntArrayRef(dims.begin(), dims.size()); }
+
+ffi::Error Convolution(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias, Dims x_sizes,
+                       Dims x_strides, Dims w_sizes, Dims w_strides, Dims bias_sizes,
+                       Dims bias_strides, Dims out_sizes, Dims out_strides, int64_t has_bias,
+                       Dims stride, Dims padding, Dims dilation, int64_t transposed,
+                       Dims output_padding, int64_t groups, ffi::Result<ffi::AnyBuffer> out) {
+  at::Tensor tx, tw, tb, to;
+  DEFERFUSE_TRY(View("input", x, x_sizes, x_strides, &tx));
+  DEFERFUSE_TRY(View("weight", w, w_sizes, w_strides, &tw));
+  if (has_bias) DEFERFUSE_TRY(View("bias", bias, bias_sizes, bias_strides, &tb));
+  DEFERFUSE_TRY(ResultView("result", out, out_sizes, out_strides, &to));
+  return Run([&] {
+    std::optional<at::Tensor> b;
+    if (has_bias) b = tb;
+    to.copy_(at::convolution(tx, tw, b, Ints(stride), Ints(padding), Ints(dilation), transposed != 0,
+                             Ints(output_padding), groups));
+  });
+}
+
+ffi::Error ConvolutionBackward(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::AnyBuffer w, Dims g_sizes,
+                               Dims g_strides, Dims x_sizes, Dims x_strides, Dims w_sizes,
+                               Dims w_strides, Dims gi_sizes, Dims gi_strides, Dims gw_sizes,
+                               Dims gw_strides, Dims gb_sizes, Dims gb_strides, int64_t has_bias,
+                               Dims bias_sizes, Dims stride, Dims padding, Dims dilation,
+                               int64_t transposed, Dims output_padding, int64_t groups,
+                               Dims output_mask, ffi::Result<ffi::AnyBuffer> grad_input,
+                               ffi::Result<ffi::AnyBuffer> grad_weight,
+                               ffi::Result<ffi::AnyBuffer> grad_bias) {
+  if (output_mask.size() != 3) {
+    return ffi::Error::InvalidArgument("deferfuse host kernel: output_mask must have 3 entries");
+  }
+  at::Tensor tg, tx, tw, gi, gw, gb;
+  DEFERFUSE_TRY(View("grad_output", g, g_sizes, g_strides, &tg));
+  DEFERFUSE_TRY(View("input", x, x_sizes, x_strides, &tx));
+  DEFERFUSE_TRY(View("weight", w, w_sizes, w_strides, &tw));
+  // (an output torch leaves undefined has an empty buffer, not viewed)
+  if (output_mask[0]) DEFERFUSE_TRY(ResultView("grad_input", grad_input, gi_sizes, gi_strides, &gi));
+  if (output_mask[1]) DEFERFUSE_TRY(ResultView("grad_weight", grad_weight, gw_sizes, gw_strides, &gw));
+  if (output_mask[2]) DEFERFUSE_TRY(ResultView("grad_bias", grad_bias, gb_sizes, gb_strides, &gb));
+  return Run([&] {
+    at::OptionalIntArrayRef bias = has_bias ? at::OptionalIntArrayRef(Ints(bias_sizes)) : std::nullopt;
+    auto [ri, rw, rb] = at::convolution_backward(
+        tg, tx, tw, bias, Ints(stride), Ints(padding), Ints(dilation), transposed != 0,
+        Ints(output_padding), groups, {output_mask[0] != 0, output_mask[1] != 0, output_mask[2] != 0});
+    if (output_mask[0]) gi.copy_(ri);
+    if (output_mask[1]) gw.copy_(rw);
+    if (output_mask[2]) gb.copy_(rb);
+  });
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution, Convolution,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<Dims>("input_sizes")
+                                  .Attr<Dims>("input_strides")
+                                  .Attr<Dims>("weight_sizes")
+                                  .Attr<Dims>("weight_strides")
+                                  .Attr<Dims>("bias_sizes")
+                                  .Attr<Dims>("bias_strides")
+                                  .Attr<Dims>("out0_sizes")
+                                  .Attr<Dims>("out0_strides")
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<Dims>("stride")
+                                  .Attr<Dims>("padding")
+                                  .Attr<Dims>("dilation")
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<Dims>("output_padding")
+                                  .Attr<int64_t>("groups")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution_backward, ConvolutionBackward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<Dims>("grad_output_sizes")
+                                  .Attr<Dims>("grad_output_strides")
+                                  .Attr<Dims>("input_sizes")
+                                  .Attr<Dims>("input_strides")
+                                  .Attr<Dims>("weight_sizes")
+                                  .Attr<Dims>("weight_strides")
+                                  .Attr<Dims>("out0_sizes")
+                                  .Attr<Dims>("out0_strides")
+                                  .Attr<Dims>("out1_sizes")
+                                  .Attr<Dims>("out1_strides")
+                                  .Attr<Dims>("out2_sizes")
+                                  .Attr<Dims>("out2_strides")
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<Dims>("bias_sizes")
+                                  .Attr<Dims>("stride")
+                                  .Attr<Dims>("padding")
+                                  .Attr<Dims>("dilation")
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<Dims>("output_padding")
+                                  .Attr<int64_t>("groups")
+                                  .Attr<Dims>("output_mask")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_mm, Mm,
                               ffi::Ffi::Bind()

@@ -1,7 +1,8 @@
 """The host kernels: torch's own CPU matrix products as XLA FFI targets, built on first use.
 
 On the CPU, XLA's own dots run the products of a training step slower than torch's (MKL,
-oneDNN) and copy transposed operands row-major first (docs/performance.md).  ``host_kernels.cc``
+oneDNN) and copy transposed operands row-major first (docs/performance.md); convolutions too
+are torch's (oneDNN) here.  ``host_kernels.cc``
 holds XLA FFI handlers that call torch's CPU kernels on XLA's buffers; this module compiles it,
 loads it and registers its handlers with JAX (``jax.ffi.register_ffi_target``, platform "cpu"),
 so the lowerings (lower/host_products.py) can call them with ``jax.ffi.ffi_call`` inside one
@@ -53,7 +54,8 @@ log = logging.getLogger("deferfuse")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_kernels.cc")
 # aten op -> the FFI target of its handler (the symbol host_kernels.cc exports under that name)
 TARGETS = {"mm": "deferfuse_host_mm", "bmm": "deferfuse_host_bmm", "addmm": "deferfuse_host_addmm",
-           "baddbmm": "deferfuse_host_baddbmm"}
+           "baddbmm": "deferfuse_host_baddbmm", "convolution": "deferfuse_host_convolution",
+           "convolution_backward": "deferfuse_host_convolution_backward"}
 PLATFORM = "cpu"
 _BUILD_SECONDS = 600      # a compile that takes longer than this has hung
 
