@@ -297,52 +297,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution_backward, ConvolutionBa
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_mm, Mm,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<Dims>("a_sizes")
-                                  .Attr<Dims>("a_strides")
-                                  .Attr<Dims>("b_sizes")
-                                  .Attr<Dims>("b_strides")
-                                  .Ret<ffi::AnyBuffer>());
+// mm and bmm take the same operands and attributes, as do addmm and baddbmm.
+auto ProductBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Attr<Dims>("a_sizes")
+      .Attr<Dims>("a_strides")
+      .Attr<Dims>("b_sizes")
+      .Attr<Dims>("b_strides")
+      .Ret<ffi::AnyBuffer>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_bmm, Bmm,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<Dims>("a_sizes")
-                                  .Attr<Dims>("a_strides")
-                                  .Attr<Dims>("b_sizes")
-                                  .Attr<Dims>("b_strides")
-                                  .Ret<ffi::AnyBuffer>());
+auto AddProductBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<Factor>()
+      .Arg<Factor>()
+      .Attr<Dims>("c_sizes")
+      .Attr<Dims>("c_strides")
+      .Attr<Dims>("a_sizes")
+      .Attr<Dims>("a_strides")
+      .Attr<Dims>("b_sizes")
+      .Attr<Dims>("b_strides")
+      .Ret<ffi::AnyBuffer>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_addmm, Addmm,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<Factor>()
-                                  .Arg<Factor>()
-                                  .Attr<Dims>("c_sizes")
-                                  .Attr<Dims>("c_strides")
-                                  .Attr<Dims>("a_sizes")
-                                  .Attr<Dims>("a_strides")
-                                  .Attr<Dims>("b_sizes")
-                                  .Attr<Dims>("b_strides")
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_baddbmm, Baddbmm,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<Factor>()
-                                  .Arg<Factor>()
-                                  .Attr<Dims>("c_sizes")
-                                  .Attr<Dims>("c_strides")
-                                  .Attr<Dims>("a_sizes")
-                                  .Attr<Dims>("a_strides")
-                                  .Attr<Dims>("b_sizes")
-                                  .Attr<Dims>("b_strides")
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_mm, Mm, ProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_bmm, Bmm, ProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_addmm, Addmm, AddProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_baddbmm, Baddbmm, AddProductBinding());
