@@ -296,7 +296,10 @@ def test_the_disk_cache_round_trip_needs_the_host_kernels(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_building_at_once_both_get_a_whole_library(tmp_path):
+def test_two_processes_building_at_once_both_get_a_whole_library(tmp_path, request):
+    from test_disk_cache import _long_runs_asked_for
+    if not _long_runs_asked_for(request.config):
+        pytest.skip("slow (two builds of the library): run with -m slow")
     environment = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT)
     racers = [subprocess.Popen([sys.executable, "-m", "deferfuse.native"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=environment) for _ in range(2)]
