@@ -19,12 +19,18 @@ that buys.  Each shape runs, in one process, interleaved round by round on the s
 
 Times are the minimum and the median over ``--runs`` runs per candidate (taken in thirds, the
 candidates in turn, so they share the machine's drift); GFLOP/s from the medians.
+
+``--single-thread`` runs every candidate on one thread (``torch.set_num_threads(1)``, XLA's
+intra-op parallelism off through ``XLA_FLAGS``, set before JAX starts) and times the process's
+CPU time (``time.process_time``) instead of the wall clock: what each kernel costs, whatever
+else the machine runs.  (With several threads CPU time would count OpenMP's spinning.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,13 +53,18 @@ SHAPES = (
 CANDIDATES = ("torch", "xla", "host jit", "defer host", "defer xla")
 
 
+CLOCK = [time.perf_counter]   # time.process_time under --single-thread
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
 def _samples(fn, runs: int) -> list[float]:
     fn()
+    clock = CLOCK[0]
     out = []
     for _ in range(runs):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        out.append(time.perf_counter() - start)
+        out.append(clock() - start)
     return out
 
 
@@ -76,7 +87,8 @@ def _candidates(batch, m, k, n, lhs_t, rhs_t, a, b) -> dict:
     from deferfuse.lower.registry import LoweringContext
     from deferfuse.native import hostkernels
 
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    # (torch's own memory: a tensor sharing NumPy's is foreign memory, which a deferred op copies)
+    ta, tb = torch.from_numpy(a).clone(), torch.from_numpy(b).clone()
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     # the user's operands as strict sees them: views for the transposed ones
     va = ta.transpose(-1, -2) if lhs_t else ta
@@ -109,13 +121,17 @@ def _candidates(batch, m, k, n, lhs_t, rhs_t, a, b) -> dict:
     expected = found["torch"]()
     for name, fn in found.items():
         got = fn()
-        got = torch.from_numpy(np.asarray(got)) if not isinstance(got, torch.Tensor) else got
+        got = torch.from_numpy(np.array(got)) if not isinstance(got, torch.Tensor) else got
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-2, msg=name)
     return found
 
 
 def measure(runs: int, only: str | None = None) -> list[dict]:
     from deferfuse import config
+    from deferfuse.exec import backend
+    # JAX's CPU client as deferfuse sets it up (synchronous dispatch, malloc tuning), before the
+    # jitted candidates create it: every candidate runs on the same client
+    backend.prepare()
     rng = np.random.default_rng(0)
     rows = []
     # every block deferred and compiled, so each timed run is the deferred engine's (record,
@@ -147,10 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=45)
     parser.add_argument("--only", default=None, help="shapes whose name contains this")
     parser.add_argument("--json", default=None, help="also write the rows and machine here")
+    parser.add_argument("--single-thread", action="store_true",
+                        help="one thread everywhere, timed by CPU time (see above)")
     args = parser.parse_args(argv)
+    if args.single_thread:
+        if "jax" in sys.modules:
+            raise SystemExit("--single-thread must set XLA_FLAGS before JAX is imported")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_XLA).strip()
+        torch.set_num_threads(1)
+        CLOCK[0] = time.process_time
     info = machine_info()
     print(f"{info.get('cpu_model', '?')} {info.get('cpu_vector_flags', [])}, torch BLAS "
-          f"{info.get('torch_blas', '?')}, {torch.get_num_threads()} torch threads")
+          f"{info.get('torch_blas', '?')}, {torch.get_num_threads()} torch threads, "
+          f"{CLOCK[0].__name__}, load average {os.getloadavg()[0]:.2f}")
     rows = measure(args.runs, args.only)
     present = [c for c in CANDIDATES if any(c in r for r in rows)]
     print("min / median microseconds (GFLOP/s of the median); ratios: torch's median over each")
@@ -163,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'  torch / candidate':44s} " + " ".join(f"{x:>22s}" for x in ratios))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "torch_threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+            json.dump({"machine": info, "torch_threads": torch.get_num_threads(),
+                       "clock": CLOCK[0].__name__, "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
     return 0
 
 
