@@ -198,11 +198,17 @@ def test_the_setting_turns_them_off():
     assert deferfuse.stats()["host_kernel_fallbacks"] == {}
 
 
-def test_the_library_is_private():
+def test_the_library_is_private_or_the_packages():
+    """Built at first use, the library is the user's alone (0600 in a 0700 folder); built by
+    make install, it sits in the package beside its source, readable as the package's code."""
     path = hostkernels.status()["library"]
     assert os.path.basename(path) == f"host_kernels-{hostkernels.fingerprint()}.so"
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    if os.path.dirname(path) == hostkernels.PACKAGED:
+        assert not stat.S_IMODE(os.stat(path).st_mode) & 0o022
+    else:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(hostkernels._folder()).st_mode) == 0o700
 
 
 def test_a_folder_others_can_write_is_not_used(tmp_path):
@@ -265,6 +271,18 @@ def _entries(cache: str) -> list[dict]:
                     f.readline()
                     headers.append(json.loads(f.readline()))
     return headers
+
+
+def test_the_library_make_install_built_is_found_whatever_the_cache_folder(tmp_path):
+    """make install builds the library into the package (python -m deferfuse.native): a process
+    with a fresh cache folder, or none, loads it and builds nothing."""
+    packaged = hostkernels.build_packaged()
+    if packaged is None:
+        pytest.skip("the package's folder cannot be written here")
+    for cache in (str(tmp_path / "fresh"), ""):
+        result = _child(cache)
+        assert result["equal"] and result["status"]["library"] == packaged
+    assert not (tmp_path / "fresh" / "native").exists()
 
 
 def test_without_a_compiler_xlas_dots_run_with_one_warning(tmp_path):

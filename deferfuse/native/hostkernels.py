@@ -9,10 +9,12 @@ so the lowerings (lower/host_products.py) can call them with ``jax.ffi.ffi_call`
 XLA computation, as XLA on a GPU calls cuBLAS.
 
 **Build.**  With the C++ compiler (``CXX``, else ``g++``) against the headers and libraries of
-the torch and jaxlib this process imported, at first use (or ``python -m
-deferfuse.native``, which ``make install`` runs).  The library is kept in the cache
-folder (``<cache_dir>/native/host_kernels-<fingerprint>.so``), named by a hash of the source, the
-compile command and the versions of torch and jaxlib, so another torch or jaxlib builds its own.
+the torch and jaxlib this process imported: by ``make install`` (``python -m deferfuse.native``)
+into the package's own folder (``deferfuse/native/build/``), where every process finds it
+whatever its cache folder; else at first use, into the cache folder
+(``<cache_dir>/native/``).  The library is named by a hash of the source, the compile command
+and the versions of torch and jaxlib (``host_kernels-<fingerprint>.so``), so another torch or
+jaxlib builds its own.
 It is written to a temporary file and renamed: two processes building at once each rename a
 whole library, and a reader never loads half of one.  Like the disk cache's entries it is code
 this process runs, so the same rules hold (exec/cachefolder.py): the folder 0700, the file
@@ -52,6 +54,8 @@ jax = lazy_import("jax", globals(), "jax")
 log = logging.getLogger("deferfuse")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_kernels.cc")
+# where make install puts the library: beside its source, as trusted as the package's own code
+PACKAGED = os.path.join(os.path.dirname(SOURCE), "build")
 # aten op -> the FFI target of its handler (the symbol host_kernels.cc exports under that name)
 TARGETS = {"mm": "deferfuse_host_mm", "bmm": "deferfuse_host_bmm", "addmm": "deferfuse_host_addmm",
            "baddbmm": "deferfuse_host_baddbmm", "convolution": "deferfuse_host_convolution",
@@ -168,7 +172,12 @@ def _load_or_build() -> str:
         # (registered once per process: JAX's registry keeps the first handlers of a name)
         return _registered[0][0]
     import torch   # noqa: F401 - libtorch_cpu is loaded before the library that links to it
-    path = os.path.join(_folder(), f"host_kernels-{fingerprint()}.so")
+    name = f"host_kernels-{fingerprint()}.so"
+    packaged = os.path.join(PACKAGED, name)
+    if os.path.exists(packaged):
+        _load(packaged)
+        return packaged
+    path = os.path.join(_folder(), name)
     if not os.path.exists(path):
         _build(path)
     try:
@@ -234,8 +243,31 @@ def clear() -> None:
         _state.clear()
 
 
+def build_packaged() -> Optional[str]:
+    """Build the library into the package's folder (``make install``), where every process
+    finds it; None where that folder cannot be written (an installed package: the library is
+    then built at first use, in the cache folder)."""
+    path = os.path.join(PACKAGED, f"host_kernels-{fingerprint()}.so")
+    try:
+        os.makedirs(PACKAGED, exist_ok=True)
+        if not os.access(PACKAGED, os.W_OK):
+            return None
+    except OSError:
+        return None
+    if not os.path.exists(path):
+        _build(path)
+    os.chmod(path, 0o644)   # (read by whoever uses the package, as its Python files are)
+    return path
+
+
 def main() -> int:
-    """``python -m deferfuse.native``: build the library into the cache folder."""
+    """``python -m deferfuse.native``: build the library into the package's folder (else the
+    cache folder) and load it."""
+    if config.get("host_kernels"):
+        try:
+            build_packaged()
+        except Exception as exc:  # noqa: BLE001 - said by ensure() below, which tries again
+            log.info("deferfuse: host kernels: building in the package failed (%s)", exc)
     if ensure():
         print(f"deferfuse host kernels: {_state['library']}")
         return 0
