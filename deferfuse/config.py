@@ -88,6 +88,12 @@ _declare("order_compute", bool, True,
          "every weight gradient, runs at about half speed), and orders the products as eager "
          "does.  See docs/architecture.md.",
          affects_compile=True)
+_declare("host_kernels", bool, True,
+         "On the CPU, run the matrix products and convolutions of XLA programs (mm, addmm, bmm, "
+         "baddbmm, matmul and linear through them, convolution and its backward) on torch's own kernels, as XLA FFI custom calls inside "
+         "the program: strict's speed and bits, operands' transposes passed as strides.  The "
+         "handlers are compiled at first use (a C++ compiler is needed; without one XLA's dots "
+         "run, with one warning).  See deferfuse/native/hostkernels.py.", affects_compile=True)
 _declare("lone_op_on_torch", bool, True,
          "Run a flush of a single op (nothing to fuse) on torch's own kernel instead of XLA "
          "(always_compile overrides).")
@@ -381,6 +387,12 @@ def xla_flags() -> str:
     """``XLA_FLAGS`` as the environment holds it now (XLA reads it once, when its backend
     starts)."""
     return os.environ.get("XLA_FLAGS", "")
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler that builds the host kernels (deferfuse/native/hostkernels.py): ``CXX``,
+    as make and setuptools read it, else ``g++``."""
+    return os.environ.get("CXX") or "g++"
 
 
 def user_tuned_malloc() -> bool:

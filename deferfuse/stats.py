@@ -13,7 +13,8 @@ class Stats:
                  "disk_cache_hits", "disk_cache_writes", "disk_cache_errors", "background_compiles",
                  "eager_chosen", "unseen_ops_run", "lone_ops_run", "host_scalar_ops_run", "executables_evicted",
                  "compiles_put_off", "raising_ops_run", "blocks_run_at_once", "compiled_graphs", "compiled_partitions",
-                 "compiled_specializations", "compiled_fallbacks", "compiled_rule_calls", "collectives")
+                 "compiled_specializations", "compiled_fallbacks", "compiled_rule_calls", "collectives",
+                 "host_kernel_products", "host_kernel_fallbacks")
 
     def __init__(self) -> None:
         self.reset()
@@ -59,6 +60,11 @@ class Stats:
         self.compiled_rule_calls = 0
         # torch.distributed collectives run (each a flush point), by op: {"c10d::allreduce_": 3}
         self.collectives: collections.Counter[str] = collections.Counter()
+        # matrix products lowered to the host kernels' FFI calls (deferfuse/native/hostkernels.py),
+        # and those lowered to XLA's own dot on the CPU because the host kernels were unavailable
+        # (no compiler, a failed build or load; counted per product traced, by op name)
+        self.host_kernel_products = 0
+        self.host_kernel_fallbacks: collections.Counter[str] = collections.Counter()
 
     def snapshot(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -13,6 +13,14 @@ from deferfuse import config
 from deferfuse.plan import cost
 
 
+@pytest.fixture(autouse=True)
+def _xla_dots():
+    """These ties are for XLA's own dots: products on the host kernels take none
+    (tests/test_host_kernels.py), so they are off here."""
+    with config.override(host_kernels=False):
+        yield
+
+
 def _barriers() -> int:
     return deferfuse.stablehlo(0).count("stablehlo.optimization_barrier")
 

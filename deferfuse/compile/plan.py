@@ -37,6 +37,7 @@ from ..exec.program import Program, Ref, Signature, Step
 from ..ir.foreach import foreach_binding
 from ..ir.graph import Value
 from ..ir.meta import TensorMeta
+from ..lower import host_products
 from ..lower.registry import LoweringContext, OnTorch
 from ..lower.table import get_lowering
 from ..plan import cost
@@ -533,7 +534,8 @@ def _build_program(p: Partition, steps: list, values: dict, slot_meta: dict, gra
     def make_program() -> Program:
         program_steps = []
         for node, lowering, op, outs, ids, args, kwargs in templates:
-            ordered_by = _ordering_operand(op, node, values, slot_meta, outs) if ordering else None
+            ordered_by = _ordering_operand(op, node, values, slot_meta, outs) \
+                if ordering and not host_products.hosted(op, slot_meta[outs[0]].dtype) else None
             metas = [slot_meta[s] for s in outs]
             if node.target is aten.native_dropout.default:
                 rule, ctx = _CountedRule(_dropout_rule), None

@@ -9,7 +9,9 @@ executable compiled for AVX-512 dies on a machine without it) and XLA_FLAGS.
 **Entry.**  ``<folder>/<2 hex>/<key>.xla``: a magic line, a one-line JSON header (format, key,
 payload size and SHA-256, the custom-call targets the executable calls; at most 1 MiB), then the
 payload: a line of JSON metadata (its inputs, results, runtime scalars and runtime checks) and
-the executable as XLA serializes it (exec/entryformat.py).  Nothing in it is unpickled: only
+the executable as XLA serializes it (exec/entryformat.py).  The targets include deferfuse's host
+kernels (native/hostkernels.py) where its products call them; such an entry is loaded only
+where they are registered first (``prepare_targets``).  Nothing in it is unpickled: only
 XLA's deserializer reads its bytes.  An entry is checked against its header before anything
 reads the payload, so a truncated or corrupted file never reaches XLA.  Written 0600 to a
 temporary file and renamed: readers never see half an entry.
@@ -63,6 +65,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .. import config, version
+from ..native import hostkernels
 from ..stats import STATS
 from .._lazy import lazy_import
 from . import cachefolder, entryformat
@@ -256,7 +259,7 @@ def key_inputs() -> dict[str, str]:
             "jax": jax.__version__, "jaxlib": _jaxlib_version(), "torch": torch.__version__,
             "platform": f"{device.client.platform} {device.client.platform_version}",
             "device": f"{device.device_kind} x{len(jax.devices())}",
-            "cpu": _cpu_features(), "xla_flags": _xla_flags()}
+            "cpu": _cpu_features(), "xla_flags": _xla_flags(), "host_kernels": hostkernels.key()}
 
 
 def host_key_inputs() -> dict[str, str]:
@@ -329,8 +332,13 @@ def prepare_targets(targets: Iterable[str]) -> Optional[str]:
     the LAPACK function pointers they call only in ``jaxlib.lapack._lapack.initialize()``, which
     JAX runs while lowering a LAPACK op (``prepare_lapack_call``).  An executable loaded from
     disk in a process that lowered no LAPACK op called null pointers: the second run of a
-    program with a QR segfaulted.  A Python host callback refers to an object of the process
-    that compiled it, and any other target must be registered here too.
+    program with a QR segfaulted.  deferfuse's own host kernels (native/hostkernels.py) are
+    registered when their library is loaded, which happens at the first product lowered, so a
+    process that loads a program before lowering any loads the library here (building it if
+    needed); where it cannot, the entry is refused.  (The key holds the library's fingerprint,
+    or "off", so an entry compiled with them is not even looked up where they are missing.)  A
+    Python host callback refers to an object of the process that compiled it, and any other
+    target must be registered here too.
     """
     targets = list(targets)
     if not targets:
@@ -338,6 +346,10 @@ def prepare_targets(targets: Iterable[str]) -> Optional[str]:
     reason = unsaveable_reason(targets)
     if reason is not None:
         return reason
+    host = sorted(set(targets) & set(hostkernels.TARGETS.values()))
+    if host and not hostkernels.ensure():
+        return (f"it calls deferfuse's host kernels ({', '.join(host)}), unavailable in this "
+                f"process: {hostkernels.status().get('error') or 'turned off (host_kernels)'}")
     try:
         import jax._src.lax.linalg as jax_linalg   # registers jaxlib's linear algebra targets
         if any(t in _lapack_targets() for t in targets):

@@ -6,6 +6,9 @@ dispatch mode they are mm/bmm/mv/dot/addmm plus views, which the core handles.
 Conventions:
 - float32 and float64 products use ``Precision.HIGHEST`` (no reduced-precision passes on
   accelerators); float16/bfloat16 accumulate in float32 as torch's CPU kernels do, and round once.
+- On the CPU, mm, addmm, bmm and baddbmm of those four float dtypes call torch's own kernels
+  inside the XLA program (host_products.py), which gives strict's bits; the rules below are
+  what other platforms, integer products, and a CPU without the host kernels run.
 - Integer products accumulate in int64 and wrap when cast back, which is exact: torch's integer
   gemm wraps in the output type and both are arithmetic modulo 2**bits.
 - ``beta == 0`` drops ``input`` entirely (NaN and Inf in it do not propagate), as torch documents.
@@ -26,6 +29,7 @@ import torch
 
 from . import common
 from . import dtypes as _dtypes
+from . import host_products
 from ..ir.meta import TensorMeta
 from . import xla_fixes
 from .registry import LoweringContext, lowering, replay_on_cpu, shape_rule
@@ -132,12 +136,16 @@ def _add_scaled(ctx, x, product, beta, alpha, alpha_zero_skips: bool):
 @lowering(aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default, aten.vdot.default,
           check=_check_matmul)
 def mm(ctx, a, b):
+    if host_products.applies(ctx):
+        return host_products.product(ctx, a, b)
     # vdot conjugates its first operand, a no-op for the real dtypes lowered here.
     return matmul(a, b)
 
 
 @lowering(aten.addmm.default, aten.addmv.default, check=_check_matmul)
 def addmm(ctx, x, a, b, *, beta=1, alpha=1):
+    if host_products.applies(ctx):
+        return host_products.add_product(ctx, x, a, b, beta, alpha)
     return _add_scaled(ctx, x, matmul(a, b), beta, alpha, alpha_zero_skips=True)
 
 
@@ -157,6 +165,8 @@ _BADDBMM_SMALL = 400
 
 @lowering(aten.baddbmm.default, check=_check_matmul)
 def baddbmm(ctx, x, a, b, *, beta=1, alpha=1):
+    if host_products.applies(ctx):
+        return host_products.add_product(ctx, x, a, b, beta, alpha)
     _, m, k = a.shape
     return _add_scaled(ctx, x, matmul(a, b), beta, alpha,
                        alpha_zero_skips=k * m * b.shape[2] >= _BADDBMM_SMALL)

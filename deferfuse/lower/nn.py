@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import common
+from . import host_products
 from . import xla_fixes
 from .registry import bounds_check, LoweringContext, lowering, runtime_check
 from .._lazy import lazy_import
@@ -89,6 +90,9 @@ def _check_conv(ctx: LoweringContext) -> Optional[str]:
 
 @lowering(aten.convolution.default, check=_check_conv)
 def convolution(ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if host_products.applies(ctx):
+        return host_products.convolution(ctx, x, w, bias, stride, padding, dilation, transposed,
+                                         output_padding, groups)
     out = _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
         out = out + common.acc(bias).reshape((1, -1) + (1,) * (out.ndim - 2))
@@ -104,6 +108,10 @@ def _check_conv_backward(ctx: LoweringContext) -> Optional[str]:
 @lowering(aten.convolution_backward.default, check=_check_conv_backward)
 def convolution_backward(ctx, grad_output, x, w, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):
+    if host_products.applies(ctx):
+        return host_products.convolution_backward(ctx, grad_output, x, w, bias_sizes, stride, padding,
+                                                  dilation, transposed, output_padding, groups,
+                                                  output_mask)
     g = common.acc(grad_output)
 
     def forward(x, w):

@@ -1,0 +1,218 @@
+"""Matrix products and convolutions as calls into torch's own CPU kernels
+(deferfuse/native/host_kernels.cc).
+
+On XLA's CPU platform, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` of the floating dtypes torch's
+CPU gemm takes (float32, float64, bfloat16, float16) lower to an XLA FFI custom call whose
+handler calls the structured CPU kernel strict runs (``at::cpu::mm_out``, ...).  ``matmul``,
+``linear`` and ``einsum`` reach the dispatch mode as these ops plus views, so they follow.
+``convolution`` and ``convolution_backward`` call ``at::convolution`` and
+``at::convolution_backward``; their results are laid out as strict's (a channels-last input
+gives a channels-last result) and transposed back to logical order in the program.
+
+**Operands keep strict's layout.**  XLA hands a custom call row-major buffers, where strict's
+kernel gets views (``x.t()`` in every weight gradient: a column-major matrix, which BLAS reads
+through its transposition flag, no copy).  So each operand is passed as its *physical* array,
+the logical array transposed into the order of strict's strides (largest first), with the
+logical sizes and strict's strides as attributes; the handler wraps the buffer with those
+strides (``at::from_blob``) and torch's kernel sees the layout strict gave it.  Where the
+operand came from a transpose in the same program, XLA's simplifier cancels the two transposes
+and the call reads the untransposed buffer: no copy.  Strides are part of every node's key
+(capture/meta.py), so a program is never reused for operands laid out otherwise.  An operand
+that is not dense in strict (a slice with gaps, an expanded dim) is passed densely in the same
+order of dims; torch's kernel gives the same products on it (it copies such operands itself, or
+passes the leading dimension to BLAS).
+
+``beta`` and ``alpha`` are float64 operands of the call, not attributes: a Python float given
+to a Scalar parameter is a runtime input of the program (capture/scalars.py), and torch's
+kernel takes them as double Scalars.  Where the handlers are unavailable (no compiler, a failed
+build: native/hostkernels.py warns once) the products lower to XLA's dots, each counted in
+``stats()["host_kernel_fallbacks"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from . import dtypes as dtypes_
+from ..ir.meta import TensorMeta
+from ..native import hostkernels
+from ..stats import STATS
+from .registry import LoweringContext
+from .._lazy import lazy_import
+
+jax = lazy_import("jax", globals(), "jax")
+jnp = lazy_import("jax.numpy", globals(), "jnp")
+
+aten = torch.ops.aten
+
+# the dtypes torch's CPU gemm takes that the handlers wrap (integer products stay XLA's: exact)
+DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
+_TARGETS = {aten.mm.default: hostkernels.TARGETS["mm"], aten.bmm.default: hostkernels.TARGETS["bmm"],
+            aten.addmm.default: hostkernels.TARGETS["addmm"],
+            aten.baddbmm.default: hostkernels.TARGETS["baddbmm"],
+            aten.convolution.default: hostkernels.TARGETS["convolution"],
+            aten.convolution_backward.default: hostkernels.TARGETS["convolution_backward"]}
+
+
+def takes(op: Any, dtype: torch.dtype) -> bool:
+    """Whether a handler computes ``op`` with results of ``dtype``."""
+    return op in _TARGETS and dtype in DTYPES
+
+
+def hosted(op: Any, dtype: torch.dtype) -> bool:
+    """Whether a program compiled now lowers ``op`` (results of ``dtype``) to a host kernel.
+    Such a product needs no ``order_compute`` tie: that tie kept XLA's dot's left-hand operand
+    row-major, and an optimization barrier on the operand would stop XLA from cancelling the
+    transposes that give the handler strict's layout (it copied them instead)."""
+    return takes(op, dtype) and hostkernels.use_on(jax.default_backend())
+
+
+def applies(ctx: LoweringContext) -> bool:
+    """Whether this call lowers to a host kernel: an op and dtype the handlers take, a program
+    for the CPU, and the handlers registered (counted when they are not)."""
+    if not ctx.out or not takes(ctx.op, ctx.out[0].dtype):
+        return False
+    platform = jax.default_backend()
+    if hostkernels.use_on(platform):
+        STATS.host_kernel_products += 1
+        return True
+    if platform == hostkernels.PLATFORM and hostkernels.status().get("error"):
+        STATS.host_kernel_fallbacks[str(ctx.op.overloadpacket.__name__)] += 1
+    return False
+
+
+def _physical_order(meta: TensorMeta) -> tuple[int, ...]:
+    """The logical dims in the order strict's memory holds them: by stride, largest first.  An
+    expanded dim (stride 0) goes outermost, as if materialized in place; a size-1 dim, whose
+    stride says nothing, keeps its position, so an operand in natural order is not transposed."""
+    moving = [d for d in range(len(meta.shape)) if meta.shape[d] != 1]
+    ranked = iter(sorted(moving, key=lambda d: (-meta.stride[d] if meta.stride[d] else -np.inf, d)))
+    return tuple(next(ranked) if meta.shape[d] != 1 else d for d in range(len(meta.shape)))
+
+
+def _layout(meta: TensorMeta) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """(the physical order of dims, the logical sizes, the strides of the view over a buffer
+    packed in that order): strict's strides where its layout is dense."""
+    order = _physical_order(meta)
+    strides = [0] * len(order)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step if meta.shape[d] != 1 else meta.stride[d]
+        step *= meta.shape[d]
+    return order, np.asarray(meta.shape, np.int64), np.asarray(strides, np.int64)
+
+
+def operand(x: Any, meta: TensorMeta) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(the array to pass, the logical sizes, the strides of the view over it) for one operand:
+    strict's strides where its layout is dense, the same order of dims packed where not."""
+    order, sizes, strides = _layout(meta)
+    physical = x if order == tuple(range(len(order))) else jnp.transpose(x, order)
+    return physical, sizes, strides
+
+
+def _results(metas: tuple, attributes: dict) -> tuple[list, list]:
+    """The result types of a call whose results are laid out as strict's (``metas``), with the
+    attributes that view them (``out<i>_sizes``, ``out<i>_strides``), and the permutation that
+    takes each back to its logical order.  None in ``metas``: a result torch leaves undefined,
+    an empty buffer."""
+    types, inverses = [], []
+    for i, meta in enumerate(metas):
+        if meta is None:
+            types.append(jax.ShapeDtypeStruct((0,), jnp.float32))
+            inverses.append(None)
+            attributes[f"out{i}_sizes"] = attributes[f"out{i}_strides"] = np.zeros((1,), np.int64)
+            continue
+        order, sizes, strides = _layout(meta)
+        types.append(jax.ShapeDtypeStruct(tuple(meta.shape[d] for d in order), dtypes_.to_jax(meta.dtype)))
+        inverses.append(tuple(np.argsort(order)))
+        attributes[f"out{i}_sizes"], attributes[f"out{i}_strides"] = sizes, strides
+    return types, inverses
+
+
+def _logical(result: Any, inverse: Optional[tuple]) -> Any:
+    return result if inverse is None or inverse == tuple(range(len(inverse))) \
+        else jnp.transpose(result, inverse)
+
+
+def call(ctx: LoweringContext, arrays: tuple, metas: tuple, names: tuple, factors: tuple = ()) -> Any:
+    """The FFI call of ``ctx.op`` on ``arrays`` (laid out as ``metas``), its attributes named
+    by ``names`` (the handler's operand names in host_kernels.cc), then ``factors`` (beta and
+    alpha, static or runtime scalars) as float64 operands."""
+    physical, attributes = [], {}
+    for x, meta, name in zip(arrays, metas, names):
+        array, sizes, strides = operand(x, meta)
+        physical.append(array)
+        attributes[f"{name}_sizes"] = sizes
+        attributes[f"{name}_strides"] = strides
+    physical += [jnp.asarray(f, np.float64) for f in factors]
+    result = jax.ShapeDtypeStruct(ctx.out_shape, ctx.out_dtype)
+    return jax.ffi.ffi_call(_TARGETS[ctx.op], result)(*physical, **attributes)
+
+
+def product(ctx: LoweringContext, a: Any, b: Any) -> Any:
+    """``mm``/``bmm`` through the host kernel."""
+    return call(ctx, (a, b), ctx.args[:2], ("a", "b"))
+
+
+def add_product(ctx: LoweringContext, x: Any, a: Any, b: Any, beta: Any, alpha: Any) -> Any:
+    """``addmm``/``baddbmm`` through the host kernel (torch's kernel applies beta and alpha,
+    with its own treatment of zeros)."""
+    return call(ctx, (x, a, b), ctx.args[:3], ("c", "a", "b"), (beta, alpha))
+
+
+def _ints(values: Any, n: int) -> np.ndarray:
+    """An int-list argument as its ``n`` values (aten accepts one value for all dims)."""
+    values = [values] if isinstance(values, int) else list(values)
+    return np.asarray(values * n if len(values) == 1 else values, np.int64)
+
+
+def _conv_attributes(nd: int, stride, padding, dilation, transposed, output_padding, groups) -> dict:
+    return {"stride": _ints(stride, nd), "padding": _ints(padding, nd), "dilation": _ints(dilation, nd),
+            "transposed": np.int64(bool(transposed)), "output_padding": _ints(output_padding, nd),
+            "groups": np.int64(groups)}
+
+
+def convolution(ctx: LoweringContext, x: Any, w: Any, bias: Any, stride, padding, dilation,
+                transposed, output_padding, groups) -> Any:
+    """``aten.convolution`` through the host kernel (torch's ``at::convolution``)."""
+    x_meta, w_meta, bias_meta = ctx.args[:3]
+    attributes = _conv_attributes(len(x_meta.shape) - 2, stride, padding, dilation, transposed,
+                                  output_padding, groups)
+    arrays = []
+    for name, array, meta in (("input", x, x_meta), ("weight", w, w_meta), ("bias", bias, bias_meta)):
+        if meta is None:   # (no bias: an empty operand, not viewed)
+            array, sizes, strides = jnp.zeros((0,), x.dtype), np.zeros((1,), np.int64), np.zeros((1,), np.int64)
+        else:
+            array, sizes, strides = operand(array, meta)
+        arrays.append(array)
+        attributes[f"{name}_sizes"], attributes[f"{name}_strides"] = sizes, strides
+    attributes["has_bias"] = np.int64(bias_meta is not None)
+    types, inverses = _results(ctx.out[:1], attributes)
+    (out,) = jax.ffi.ffi_call(_TARGETS[ctx.op], types)(*arrays, **attributes)
+    return _logical(out, inverses[0])
+
+
+def convolution_backward(ctx: LoweringContext, grad_output: Any, x: Any, w: Any, bias_sizes,
+                         stride, padding, dilation, transposed, output_padding, groups,
+                         output_mask) -> tuple:
+    """``aten.convolution_backward`` through the host kernel; the outputs torch leaves
+    undefined (``output_mask``) are absent from ``ctx.out`` and from the result."""
+    g_meta, x_meta, w_meta = ctx.args[:3]
+    attributes = _conv_attributes(len(x_meta.shape) - 2, stride, padding, dilation, transposed,
+                                  output_padding, groups)
+    arrays = []
+    for name, array, meta in (("grad_output", grad_output, g_meta), ("input", x, x_meta),
+                              ("weight", w, w_meta)):
+        array, attributes[f"{name}_sizes"], attributes[f"{name}_strides"] = operand(array, meta)
+        arrays.append(array)
+    attributes["has_bias"] = np.int64(bias_sizes is not None)
+    attributes["bias_sizes"] = np.asarray(list(bias_sizes) if bias_sizes is not None else [0], np.int64)
+    attributes["output_mask"] = np.asarray([bool(m) for m in output_mask], np.int64)
+    wanted = iter(ctx.out)
+    metas = tuple(next(wanted) if m else None for m in output_mask)
+    types, inverses = _results(metas, attributes)
+    outs = jax.ffi.ffi_call(_TARGETS[ctx.op], types)(*arrays, **attributes)
+    return tuple(_logical(o, inv) for o, inv, m in zip(outs, inverses, output_mask) if m)

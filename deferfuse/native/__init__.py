@@ -1,0 +1,1 @@
+"""Native code deferfuse builds for itself: the host kernels (hostkernels.py, host_kernels.cc)."""

@@ -1,0 +1,331 @@
+// deferfuse's host kernels: matrix products of an XLA:CPU program run by torch's own CPU kernels.
+//
+// Convolutions call at::convolution and at::convolution_backward, the ops strict's autograd calls,
+// which pick the same backend (oneDNN, or torch's own loops) from the same layouts; they return
+// new tensors, copied into XLA's result buffers viewed with strict's output strides (a copy
+// of the same layout).
+//
+// Each handler is an XLA FFI custom call (jax.ffi.ffi_call) that wraps XLA's buffers as
+// at::Tensor views, without copying, and calls the structured CPU kernel strict PyTorch runs for
+// the same aten op (at::cpu::mm_out, addmm_out, bmm_out, baddbmm_out).  An operand arrives as
+// its physical buffer (the logical array permuted into the order strict's memory holds it) with
+// the logical sizes and strides of strict's tensor as attributes, so a transposed operand is a
+// view with swapped strides, which torch's kernel passes to BLAS as a transposition flag: the
+// same call on the same layouts as strict, hence strict's bits.  deferfuse/native/hostkernels.py
+// builds this file and registers the handlers; deferfuse/lower/host_products.py calls them.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/bmm_cpu_dispatch.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using Dims = ffi::Span<const int64_t>;
+
+namespace {
+
+bool ScalarType(ffi::DataType type, c10::ScalarType* out) {
+  switch (type) {
+    case ffi::DataType::F32: *out = c10::ScalarType::Float; return true;
+    case ffi::DataType::F64: *out = c10::ScalarType::Double; return true;
+    case ffi::DataType::BF16: *out = c10::ScalarType::BFloat16; return true;
+    case ffi::DataType::F16: *out = c10::ScalarType::Half; return true;
+    default: return false;
+  }
+}
+
+// The thread calling XLA may be the Python thread whose TorchDispatchMode (deferfuse's own
+// DeferMode) is active: the kernels' own inner calls (expand, copy_, contiguous) must not reach
+// Python.  Autograd is skipped too: these tensors never require grad.
+struct BelowPython {
+  c10::impl::ExcludeDispatchKeyGuard python{
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                           c10::DispatchKey::PreDispatch, c10::DispatchKey::Functionalize})
+      | c10::autograd_dispatch_keyset_with_ADInplaceOrView};
+};
+
+// A thread XLA created has not set OpenMP's and MKL's thread counts from torch's
+// (torch.set_num_threads): what at::parallel_for does on a new thread, once per thread.
+void InitThreads() {
+  thread_local bool done = false;
+  if (!done) {
+    at::init_num_threads();
+    done = true;
+  }
+}
+
+ffi::Error View(const char* name, ffi::AnyBuffer buffer, Dims sizes, Dims strides, at::Tensor* out) {
+  c10::ScalarType type;
+  if (!ScalarType(buffer.element_type(), &type)) {
+    return ffi::Error::InvalidArgument(std::string("deferfuse host kernel: operand ") + name +
+                                       " has a dtype the host kernels do not take");
+  }
+  if (sizes.size() != strides.size()) {
+    return ffi::Error::InvalidArgument(std::string("deferfuse host kernel: operand ") + name +
+                                       ": sizes and strides differ in rank");
+  }
+  // the furthest element the view reaches must lie inside the buffer
+  int64_t reach = 0, numel = 1;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    numel *= sizes[i];
+    if (sizes[i] > 0) reach += (sizes[i] - 1) * strides[i];
+  }
+  if (numel > 0 && static_cast<size_t>(reach) >= buffer.element_count()) {
+    return ffi::Error::InvalidArgument(std::string("deferfuse host kernel: operand ") + name +
+                                       "'s strides reach past its buffer");
+  }
+  *out = at::from_blob(buffer.untyped_data(), c10::IntArrayRef(sizes.begin(), sizes.size()),
+                       c10::IntArrayRef(strides.begin(), strides.size()),
+                       at::TensorOptions().dtype(type).device(at::kCPU));
+  return ffi::Error::Success();
+}
+
+ffi::Error Result(ffi::Result<ffi::AnyBuffer>& buffer, at::Tensor* out) {
+  c10::ScalarType type;
+  if (!ScalarType(buffer->element_type(), &type)) {
+    return ffi::Error::InvalidArgument("deferfuse host kernel: a result dtype the host kernels do not take");
+  }
+  Dims dims = buffer->dimensions();
+  *out = at::from_blob(buffer->untyped_data(), c10::IntArrayRef(dims.begin(), dims.size()),
+                       at::TensorOptions().dtype(type).device(at::kCPU));
+  return ffi::Error::Success();
+}
+
+template <typename Call>
+ffi::Error Run(Call call) {
+  InitThreads();
+  BelowPython below;
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    return ffi::Error::Internal(std::string("deferfuse host kernel: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("deferfuse host kernel: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+#define DEFERFUSE_TRY(expr)                  \
+  do {                                       \
+    ffi::Error error_ = (expr);              \
+    if (error_.failure()) return error_;     \
+  } while (0)
+
+ffi::Error Product(bool batched, ffi::AnyBuffer a, Dims a_sizes, Dims a_strides, ffi::AnyBuffer b,
+                   Dims b_sizes, Dims b_strides, ffi::Result<ffi::AnyBuffer> out) {
+  at::Tensor ta, tb, to;
+  DEFERFUSE_TRY(View("a", a, a_sizes, a_strides, &ta));
+  DEFERFUSE_TRY(View("b", b, b_sizes, b_strides, &tb));
+  DEFERFUSE_TRY(Result(out, &to));
+  return Run([&] {
+    if (batched) {
+      at::cpu::bmm_out(to, ta, tb);
+    } else {
+      at::cpu::mm_out(to, ta, tb);
+    }
+  });
+}
+
+// beta and alpha arrive as float64 scalars computed by the program (runtime scalars: a Python
+// float given to a Scalar parameter is an input of the computation, not a constant of it).
+using Factor = ffi::BufferR0<ffi::F64>;
+
+ffi::Error AddProduct(bool batched, ffi::AnyBuffer c, Dims c_sizes, Dims c_strides,
+                      ffi::AnyBuffer a, Dims a_sizes, Dims a_strides, ffi::AnyBuffer b,
+                      Dims b_sizes, Dims b_strides, Factor beta_buffer, Factor alpha_buffer,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  const double beta = *beta_buffer.typed_data(), alpha = *alpha_buffer.typed_data();
+  at::Tensor tc, ta, tb, to;
+  DEFERFUSE_TRY(View("input", c, c_sizes, c_strides, &tc));
+  DEFERFUSE_TRY(View("a", a, a_sizes, a_strides, &ta));
+  DEFERFUSE_TRY(View("b", b, b_sizes, b_strides, &tb));
+  DEFERFUSE_TRY(Result(out, &to));
+  return Run([&] {
+    if (batched) {
+      at::cpu::baddbmm_out(to, tc, ta, tb, beta, alpha);
+    } else {
+      at::cpu::addmm_out(to, tc, ta, tb, beta, alpha);
+    }
+  });
+}
+
+ffi::Error Mm(ffi::AnyBuffer a, ffi::AnyBuffer b, Dims a_sizes, Dims a_strides, Dims b_sizes,
+              Dims b_strides, ffi::Result<ffi::AnyBuffer> out) {
+  return Product(false, a, a_sizes, a_strides, b, b_sizes, b_strides, out);
+}
+
+ffi::Error Bmm(ffi::AnyBuffer a, ffi::AnyBuffer b, Dims a_sizes, Dims a_strides, Dims b_sizes,
+               Dims b_strides, ffi::Result<ffi::AnyBuffer> out) {
+  return Product(true, a, a_sizes, a_strides, b, b_sizes, b_strides, out);
+}
+
+ffi::Error Addmm(ffi::AnyBuffer c, ffi::AnyBuffer a, ffi::AnyBuffer b, Factor beta, Factor alpha,
+                 Dims c_sizes, Dims c_strides, Dims a_sizes, Dims a_strides, Dims b_sizes,
+                 Dims b_strides, ffi::Result<ffi::AnyBuffer> out) {
+  return AddProduct(false, c, c_sizes, c_strides, a, a_sizes, a_strides, b, b_sizes, b_strides,
+                    beta, alpha, out);
+}
+
+ffi::Error Baddbmm(ffi::AnyBuffer c, ffi::AnyBuffer a, ffi::AnyBuffer b, Factor beta, Factor alpha,
+                   Dims c_sizes, Dims c_strides, Dims a_sizes, Dims a_strides, Dims b_sizes,
+                   Dims b_strides, ffi::Result<ffi::AnyBuffer> out) {
+  return AddProduct(true, c, c_sizes, c_strides, a, a_sizes, a_strides, b, b_sizes, b_strides,
+                    beta, alpha, out);
+}
+
+// A result buffer viewed with the logical sizes and strides of strict's result.
+ffi::Error ResultView(const char* name, ffi::Result<ffi::AnyBuffer>& buffer, Dims sizes, Dims strides,
+                      at::Tensor* out) {
+  return View(name, *buffer, sizes, strides, out);
+}
+
+c10::IntArrayRef Ints(Dims dims) { return c10::IntArrayRef(dims.begin(), dims.size()); }
+
+ffi::Error Convolution(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias, Dims x_sizes,
+                       Dims x_strides, Dims w_sizes, Dims w_strides, Dims bias_sizes,
+                       Dims bias_strides, Dims out_sizes, Dims out_strides, int64_t has_bias,
+                       Dims stride, Dims padding, Dims dilation, int64_t transposed,
+                       Dims output_padding, int64_t groups, ffi::Result<ffi::AnyBuffer> out) {
+  at::Tensor tx, tw, tb, to;
+  DEFERFUSE_TRY(View("input", x, x_sizes, x_strides, &tx));
+  DEFERFUSE_TRY(View("weight", w, w_sizes, w_strides, &tw));
+  if (has_bias) DEFERFUSE_TRY(View("bias", bias, bias_sizes, bias_strides, &tb));
+  DEFERFUSE_TRY(ResultView("result", out, out_sizes, out_strides, &to));
+  return Run([&] {
+    std::optional<at::Tensor> b;
+    if (has_bias) b = tb;
+    to.copy_(at::convolution(tx, tw, b, Ints(stride), Ints(padding), Ints(dilation), transposed != 0,
+                             Ints(output_padding), groups));
+  });
+}
+
+ffi::Error ConvolutionBackward(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::AnyBuffer w, Dims g_sizes,
+                               Dims g_strides, Dims x_sizes, Dims x_strides, Dims w_sizes,
+                               Dims w_strides, Dims gi_sizes, Dims gi_strides, Dims gw_sizes,
+                               Dims gw_strides, Dims gb_sizes, Dims gb_strides, int64_t has_bias,
+                               Dims bias_sizes, Dims stride, Dims padding, Dims dilation,
+                               int64_t transposed, Dims output_padding, int64_t groups,
+                               Dims output_mask, ffi::Result<ffi::AnyBuffer> grad_input,
+                               ffi::Result<ffi::AnyBuffer> grad_weight,
+                               ffi::Result<ffi::AnyBuffer> grad_bias) {
+  if (output_mask.size() != 3) {
+    return ffi::Error::InvalidArgument("deferfuse host kernel: output_mask must have 3 entries");
+  }
+  at::Tensor tg, tx, tw, gi, gw, gb;
+  DEFERFUSE_TRY(View("grad_output", g, g_sizes, g_strides, &tg));
+  DEFERFUSE_TRY(View("input", x, x_sizes, x_strides, &tx));
+  DEFERFUSE_TRY(View("weight", w, w_sizes, w_strides, &tw));
+  // (an output torch leaves undefined has an empty buffer, not viewed)
+  if (output_mask[0]) DEFERFUSE_TRY(ResultView("grad_input", grad_input, gi_sizes, gi_strides, &gi));
+  if (output_mask[1]) DEFERFUSE_TRY(ResultView("grad_weight", grad_weight, gw_sizes, gw_strides, &gw));
+  if (output_mask[2]) DEFERFUSE_TRY(ResultView("grad_bias", grad_bias, gb_sizes, gb_strides, &gb));
+  return Run([&] {
+    at::OptionalIntArrayRef bias = has_bias ? at::OptionalIntArrayRef(Ints(bias_sizes)) : std::nullopt;
+    auto [ri, rw, rb] = at::convolution_backward(
+        tg, tx, tw, bias, Ints(stride), Ints(padding), Ints(dilation), transposed != 0,
+        Ints(output_padding), groups, {output_mask[0] != 0, output_mask[1] != 0, output_mask[2] != 0});
+    if (output_mask[0]) gi.copy_(ri);
+    if (output_mask[1]) gw.copy_(rw);
+    if (output_mask[2]) gb.copy_(rb);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution, Convolution,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<Dims>("input_sizes")
+                                  .Attr<Dims>("input_strides")
+                                  .Attr<Dims>("weight_sizes")
+                                  .Attr<Dims>("weight_strides")
+                                  .Attr<Dims>("bias_sizes")
+                                  .Attr<Dims>("bias_strides")
+                                  .Attr<Dims>("out0_sizes")
+                                  .Attr<Dims>("out0_strides")
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<Dims>("stride")
+                                  .Attr<Dims>("padding")
+                                  .Attr<Dims>("dilation")
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<Dims>("output_padding")
+                                  .Attr<int64_t>("groups")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution_backward, ConvolutionBackward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<Dims>("grad_output_sizes")
+                                  .Attr<Dims>("grad_output_strides")
+                                  .Attr<Dims>("input_sizes")
+                                  .Attr<Dims>("input_strides")
+                                  .Attr<Dims>("weight_sizes")
+                                  .Attr<Dims>("weight_strides")
+                                  .Attr<Dims>("out0_sizes")
+                                  .Attr<Dims>("out0_strides")
+                                  .Attr<Dims>("out1_sizes")
+                                  .Attr<Dims>("out1_strides")
+                                  .Attr<Dims>("out2_sizes")
+                                  .Attr<Dims>("out2_strides")
+                                  .Attr<int64_t>("has_bias")
+                                  .Attr<Dims>("bias_sizes")
+                                  .Attr<Dims>("stride")
+                                  .Attr<Dims>("padding")
+                                  .Attr<Dims>("dilation")
+                                  .Attr<int64_t>("transposed")
+                                  .Attr<Dims>("output_padding")
+                                  .Attr<int64_t>("groups")
+                                  .Attr<Dims>("output_mask")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// mm and bmm take the same operands and attributes, as do addmm and baddbmm.
+auto ProductBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Attr<Dims>("a_sizes")
+      .Attr<Dims>("a_strides")
+      .Attr<Dims>("b_sizes")
+      .Attr<Dims>("b_strides")
+      .Ret<ffi::AnyBuffer>();
+}
+
+auto AddProductBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<Factor>()
+      .Arg<Factor>()
+      .Attr<Dims>("c_sizes")
+      .Attr<Dims>("c_strides")
+      .Attr<Dims>("a_sizes")
+      .Attr<Dims>("a_strides")
+      .Attr<Dims>("b_sizes")
+      .Attr<Dims>("b_strides")
+      .Ret<ffi::AnyBuffer>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_mm, Mm, ProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_bmm, Bmm, ProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_addmm, Addmm, AddProductBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_baddbmm, Baddbmm, AddProductBinding());

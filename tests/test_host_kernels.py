@@ -1,0 +1,330 @@
+"""The host kernels: matrix products of XLA programs on the CPU run torch's own kernels through
+XLA FFI custom calls (deferfuse/native/, deferfuse/lower/host_products.py).
+
+A product that calls the same kernel on the same operand layouts as strict gives strict's bits,
+so these tests compare with ``torch.equal``; what else a program computes (reductions, XLA's
+pointwise code) is compared within tolerance.  The library is built once per test session (the
+session's cache folder, tests/conftest.py); the fallback and disk cache tests run in fresh
+processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deferfuse
+from deferfuse import config
+from deferfuse.exec import diskcache, executables
+from deferfuse.lower import host_products
+from deferfuse.native import hostkernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(not hostkernels.ensure(),
+                                reason=f"host kernels unavailable: {hostkernels.status().get('error')}")
+
+
+def _deferred(fn, *args):
+    deferfuse.reset_stats()
+    with config.override(always_compile=True):
+        with deferfuse.defer():
+            out = fn(*args)
+            deferfuse.sync(out)
+    return out
+
+
+def _data(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+# Each case: (name, function, argument shapes).  Operands are computed inside the block (``* 1``
+# and ``+ 0`` are exact), so they are values of the XLA program, or passed as the user's views.
+CASES = [
+    ("mm", lambda a, b: (a * 1) @ (b + 0), [(64, 48), (48, 40)]),
+    ("mm transposed lhs", lambda a, g: (a * 1).t() @ (g * 1), [(64, 96), (64, 40)]),
+    ("mm transposed rhs", lambda x, w: (x * 1) @ (w * 1).t(), [(64, 48), (40, 48)]),
+    ("mm both transposed", lambda a, b: (a * 1).t() @ (b * 1).t(), [(48, 64), (40, 48)]),
+    ("mm user views", lambda a, b: a.t() @ b[:, ::2], [(48, 64), (48, 80)]),
+    ("mm with gaps", lambda a, b: (a * 1)[:, ::2] @ (b * 1)[::3], [(32, 96), (144, 24)]),
+    ("mm empty m", lambda a, b: (a * 1)[:0] @ (b * 1), [(16, 24), (24, 8)]),
+    ("mm empty k", lambda a, b: (a * 1)[:, :0] @ (b * 1)[:0], [(16, 24), (24, 8)]),
+    ("mm empty n", lambda a, b: (a * 1) @ (b * 1)[:, :0], [(16, 24), (24, 8)]),
+    ("linear", lambda x, w, b: F.linear(x * 1, w * 1, b * 1), [(64, 48), (40, 48), (40,)]),
+    ("linear 3-d", lambda x, w, b: F.linear(x * 1, w * 1, b * 1), [(4, 16, 48), (40, 48), (40,)]),
+    ("linear transposed input", lambda x, w, b: F.linear((x * 1).t(), w, b), [(48, 64), (40, 48), (40,)]),
+    ("addmm scaled", lambda c, a, b: torch.addmm(c * 1, a * 1, (b * 1).t(), beta=0.5, alpha=-2.0),
+     [(32, 40), (32, 48), (40, 48)]),
+    ("addmm beta 0", lambda c, a, b: torch.addmm(c * 1, a * 1, b * 1, beta=0), [(40,), (32, 48), (48, 40)]),
+    ("bmm", lambda a, b: torch.bmm(a * 1, b * 1), [(3, 32, 24), (3, 24, 16)]),
+    ("bmm transposed", lambda q, k: torch.bmm(q * 1, (k * 1).transpose(1, 2)), [(3, 32, 24), (3, 16, 24)]),
+    ("baddbmm scaled", lambda c, a, b: torch.baddbmm(c * 1, a * 1, b * 1, beta=0.25, alpha=3.0),
+     [(3, 32, 1), (3, 32, 24), (3, 24, 16)]),
+    ("matmul batch broadcast", lambda a, b: (a * 1) @ (b * 1), [(2, 3, 32, 24), (1, 3, 24, 16)]),
+    ("matmul 3-d @ 2-d", lambda a, b: (a * 1) @ (b * 1), [(5, 32, 24), (24, 16)]),
+    ("attention scores", lambda q, k: (q * 1) @ (k * 1).transpose(-1, -2) * 0.125, [(2, 4, 32, 16), (2, 4, 32, 16)]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, fn, shapes", CASES, ids=[c[0] for c in CASES])
+def test_products_give_stricts_bits(name, fn, shapes, dtype):
+    args = [_data(*shape, dtype=dtype, seed=i) for i, shape in enumerate(shapes)]
+    expected = fn(*args)
+    out = _deferred(fn, *args)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert torch.equal(out, expected), (out - expected).abs().max()
+    assert deferfuse.stats()["host_kernel_products"] >= 1
+    assert deferfuse.stats()["host_kernel_fallbacks"] == {}
+
+
+def _conv_backward(x, w, b, **kwargs):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    out = F.conv2d(x * 1, w, b, **kwargs)
+    return torch.autograd.grad((out * out).sum(), (x, w, b))
+
+
+CONVOLUTIONS = [
+    ("conv2d", lambda x, w, b: F.conv2d(x * 1, w, b, padding=1)),
+    ("conv2d stride dilation groups", lambda x, w, b: F.conv2d(x * 1, w[:, :4], b, stride=2, dilation=2, groups=2)),
+    ("conv2d channels-last", lambda x, w, b: F.conv2d((x * 1).contiguous(memory_format=torch.channels_last), w, b, padding=1)),
+    ("conv_transpose2d", lambda x, w, b: F.conv_transpose2d(x * 1, w.transpose(0, 1).contiguous(), stride=2, output_padding=1)),
+    ("conv1d", lambda x, w, b: F.conv1d(x[:, :, 0] * 1, w[:, :, 0], b, padding=1)),
+    ("conv3d", lambda x, w, b: F.conv3d((x * 1).reshape(2, 8, 4, 4, 16), w[..., None].expand(12, 8, 3, 3, 2), b)),
+    ("conv2d backward", lambda x, w, b: _conv_backward(x, w, b, padding=1)),
+    ("conv2d backward groups", lambda x, w, b: _conv_backward(x, w[:, :4], b, stride=2, groups=2)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, fn", CONVOLUTIONS, ids=[c[0] for c in CONVOLUTIONS])
+def test_convolutions_give_stricts_bits(name, fn, dtype):
+    x, w, b = _data(2, 8, 16, 16, dtype=dtype), _data(12, 8, 3, 3, dtype=dtype, seed=1), _data(12, dtype=dtype, seed=2)
+    expected = fn(x, w, b)
+    out = _deferred(fn, x, w, b)
+    for got, want in zip(*(o if isinstance(o, tuple) else (o,) for o in (out, expected))):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert deferfuse.stats()["host_kernel_products"] >= 1
+
+
+def test_integer_products_stay_xla():
+    a, b = torch.randint(-5, 5, (16, 24)), torch.randint(-5, 5, (24, 8))
+    out = _deferred(lambda a, b: (a * 1) @ b, a, b)
+    assert torch.equal(out, a @ b)
+    assert deferfuse.stats()["host_kernel_products"] == 0
+
+
+def _custom_calls() -> str:
+    compiled = executables.snapshot()[-1]
+    return compiled.executable.as_text()
+
+
+def test_a_transposed_operand_is_passed_as_strides_not_copied():
+    a, g = _data(256, 128, dtype=torch.float32), _data(256, 64, dtype=torch.float32, seed=1)
+    with config.override(cache_dir=""):
+        out = _deferred(lambda a, g: (a * 2).t() @ (g + 1), a, g)
+        text = _custom_calls()
+    assert torch.equal(out, (a * 2).t() @ (g + 1))
+    calls = [line for line in text.splitlines() if 'custom_call_target="deferfuse_host_mm"' in line]
+    assert len(calls) == 1
+    # the handler reads (a * 2) as laid out, 256 x 128 row-major, with strides (1, 128)
+    assert "a_strides = dense<[1, 128]>" in calls[0]
+    assert not any(" transpose(" in line or " copy(" in line for line in text.splitlines())
+
+
+def test_a_training_step_matches_strict():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32),
+                                torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 64), torch.randn(32, 1)
+
+    def step(m, o):
+        loss = F.mse_loss(m(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        return loss
+
+    deferfuse.reset_stats()
+    with config.override(always_compile=True):
+        for _ in range(3):
+            with deferfuse.defer():
+                loss = step(model, opt)
+            torch.testing.assert_close(loss, step(twin, opt_twin))
+    # forward 3 addmm, backward 2 input gradients and 3 weight gradients, each step
+    assert deferfuse.stats()["host_kernel_products"] >= 8
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_choice_is_made_by_platform():
+    assert hostkernels.use_on("cpu")
+    for platform in ("cuda", "rocm", "tpu", "METAL"):
+        assert not hostkernels.use_on(platform)
+
+
+def test_another_platform_keeps_xlas_dot(monkeypatch):
+    monkeypatch.setattr(host_products.jax, "default_backend", lambda: "cuda")
+    a, b = _data(32, 48, dtype=torch.float32), _data(48, 16, dtype=torch.float32)
+    with config.override(cache_dir=""):
+        out = _deferred(lambda a, b: (a * 1) @ b, a, b)
+    torch.testing.assert_close(out, a @ b)
+    assert deferfuse.stats()["host_kernel_products"] == 0
+    assert deferfuse.stats()["host_kernel_fallbacks"] == {}   # (a choice, not a failure)
+
+
+def test_the_setting_turns_them_off():
+    a, b = _data(32, 48, dtype=torch.float32), _data(48, 16, dtype=torch.float32)
+    with config.override(host_kernels=False):
+        out = _deferred(lambda a, b: (a * 1) @ b, a, b)
+    torch.testing.assert_close(out, a @ b)
+    assert deferfuse.stats()["host_kernel_products"] == 0
+    assert deferfuse.stats()["host_kernel_fallbacks"] == {}
+
+
+def test_the_library_is_private_or_the_packages():
+    """Built at first use, the library is the user's alone (0600 in a 0700 folder); built by
+    make install, it sits in the package beside its source, readable as the package's code."""
+    path = hostkernels.status()["library"]
+    assert os.path.basename(path) == f"host_kernels-{hostkernels.fingerprint()}.so"
+    if os.path.dirname(path) == hostkernels.PACKAGED:
+        assert not stat.S_IMODE(os.stat(path).st_mode) & 0o022
+    else:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(hostkernels._folder()).st_mode) == 0o700
+
+
+def test_a_folder_others_can_write_is_not_used(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with config.override(cache_dir=str(shared)):
+        folder = hostkernels._folder()
+    assert not folder.startswith(str(shared))
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+
+
+# -- fresh processes ----------------------------------------------------------------------------
+
+_CHILD = textwrap.dedent("""
+    import json, warnings
+    import torch, deferfuse
+    from deferfuse import config
+    from deferfuse.exec import diskcache
+    from deferfuse.native import hostkernels
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(64, 48, generator=g), torch.randn(40, 48, generator=g),
+               torch.randn(40, generator=g))
+    fn = lambda a, b, c: torch.relu(torch.nn.functional.linear(a * 1, b, c)).t() @ (a * 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with config.override(always_compile=True):
+            for _ in range(2):
+                with deferfuse.defer():
+                    out = fn(a, b, c)
+                deferfuse.sync(out)
+    expected = fn(a, b, c)
+    print(json.dumps({
+        "equal": torch.equal(out, expected),
+        "close": torch.allclose(out, expected, rtol=1e-4, atol=1e-4),
+        "warnings": [str(w.message) for w in caught if "host kernels" in str(w.message)],
+        "products": deferfuse.stats()["host_kernel_products"],
+        "fallbacks": deferfuse.stats()["host_kernel_fallbacks"],
+        "disk": diskcache.counts(),
+        "refusal": diskcache.prepare_targets(["deferfuse_host_mm"]),
+        "status": hostkernels.status(),
+    }))
+""")
+
+
+def _child(cache: str, **env: str) -> dict:
+    environment = dict(os.environ, DEFERFUSE_CACHE_DIR=cache, PYTHONPATH=ROOT, **env)
+    done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                          env=environment, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _entries(cache: str) -> list[dict]:
+    headers = []
+    for top, _, names in os.walk(cache):
+        for name in names:
+            if name.endswith(".xla"):
+                with open(os.path.join(top, name), "rb") as f:
+                    f.readline()
+                    headers.append(json.loads(f.readline()))
+    return headers
+
+
+def test_the_library_make_install_built_is_found_whatever_the_cache_folder(tmp_path):
+    """make install builds the library into the package (python -m deferfuse.native): a process
+    with a fresh cache folder, or none, loads it and builds nothing."""
+    packaged = hostkernels.build_packaged()
+    if packaged is None:
+        pytest.skip("the package's folder cannot be written here")
+    for cache in (str(tmp_path / "fresh"), ""):
+        result = _child(cache)
+        assert result["equal"] and result["status"]["library"] == packaged
+    assert not (tmp_path / "fresh" / "native").exists()
+
+
+def test_without_a_compiler_xlas_dots_run_with_one_warning(tmp_path):
+    result = _child(str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
+    assert result["close"]
+    assert len(result["warnings"]) == 1 and "no C++ compiler" in result["warnings"][0]
+    assert result["products"] == 0
+    assert set(result["fallbacks"]) == {"addmm", "mm"}     # (one program: each product traced once)
+    assert result["refusal"] is not None and "unavailable" in result["refusal"]
+    assert not (tmp_path / "native").exists() or not os.listdir(tmp_path / "native")
+
+
+def test_the_disk_cache_round_trip_needs_the_host_kernels(tmp_path):
+    cache = str(tmp_path / "cache")
+    first = _child(cache)
+    assert first["equal"] and first["products"] >= 2 and first["disk"]["writes"] >= 1
+    headers = _entries(cache)
+    assert any("deferfuse_host_mm" in h["targets"] for h in headers)
+    # a second process loads the entries (registering the handlers first), compiles nothing
+    second = _child(cache)
+    assert second["equal"] and second["disk"]["hits"] >= 1 and second["disk"]["errors"] == 0
+    assert second["products"] == 0 and second["warnings"] == []
+    # a process without them (another compiler: another library, which fails to build) never
+    # loads those entries: its key differs, and prepare_targets would refuse them
+    third = _child(cache, CXX=str(tmp_path / "no-such-compiler"))
+    assert third["close"] and len(third["warnings"]) == 1
+    assert third["disk"]["hits"] == 0 and third["disk"]["errors"] == 0
+    assert third["refusal"] is not None
+
+
+@pytest.mark.slow
+def test_two_processes_building_at_once_both_get_a_whole_library(tmp_path, request):
+    from test_disk_cache import _long_runs_asked_for
+    if not _long_runs_asked_for(request.config):
+        pytest.skip("slow (two builds of the library): run with -m slow")
+    environment = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    racers = [subprocess.Popen([sys.executable, "-m", "deferfuse.native"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=environment) for _ in range(2)]
+    outputs = [r.communicate(timeout=600) for r in racers]
+    assert [r.returncode for r in racers] == [0, 0], outputs
+    assert os.listdir(tmp_path / "native") == [f"host_kernels-{hostkernels.fingerprint()}.so"]
+    # and a third process loads what they left, building nothing
+    done = subprocess.run([sys.executable, "-m", "deferfuse.native"], capture_output=True, text=True,
+                          env=environment, timeout=300)
+    assert done.returncode == 0 and os.listdir(tmp_path / "native") == [f"host_kernels-{hostkernels.fingerprint()}.so"]
