@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-deep demo bench bench-train bench-zoo bench-compile bench-dist conformance clean
+.PHONY: install test test-all test-slow test-deep demo bench bench-train bench-zoo bench-compile bench-dist conformance clean
 
 install: $(STAMP)
 
@@ -21,8 +21,18 @@ $(STAMP): pyproject.toml
 	-$(PY) -m deferfuse.native
 	touch $(STAMP)
 
+# make test: the suite without the tests marked slow (under 10 minutes on 2 cores); make
+# test-all: every test, the slow ones (the whole client corpus, the conformance subset loaded
+# from disk, the biggest models) included.  CI (.ci/run) runs make test, then make test-slow.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "slow or not slow" tests
+
+# the slow tests alone (make test, then this: together, make test-all)
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m slow tests
 
 test-deep: $(STAMP)
 	HYPOTHESIS_PROFILE=deep $(PY) -m pytest -q -n 2 tests

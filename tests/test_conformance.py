@@ -29,7 +29,17 @@ def _ops_by_name() -> dict:
     return {cases.op_name(op): op for op in cases.op_db()}
 
 
-@pytest.mark.parametrize("name", FAST_OPS)
+# The OpInfos make test runs, one or two a family (~3-8 s each on 2 cores); the rest of the
+# subset carries the slow mark (make test-all).
+QUICK_OPS = frozenset({
+    "abs", "sigmoid", "logical_not", "add", "div.no_rounding_mode", "where", "sum", "argmax",
+    "cumsum", "reshape", "cat", "__getitem__", "index_put", "gather", "mm", "softmax",
+    "nn.functional.layer_norm", "nn.functional.conv2d", "full", "bernoulli", "nonzero", "chalf",
+})
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK_OPS else (pytest.mark.slow,))
+                                  for n in FAST_OPS])
 def test_opinfo_conformance(name: str) -> None:
     op = _ops_by_name()[name]
     with warnings.catch_warnings():
@@ -53,3 +63,4 @@ def test_known_failures_are_in_the_subset() -> None:
         op, dtype, variant = key.split("|")
         assert op in FAST_OPS, f"{key}: not an OpInfo of the fast subset"
         assert dtype in cases.DTYPES and variant in cases.VARIANTS, key
+    assert QUICK_OPS <= set(FAST_OPS)
