@@ -454,3 +454,46 @@ def test_an_inplace_view_of_a_deferred_tensor_raises_what_strict_raises():
         with deferfuse.config.override(always_compile=True), deferfuse.defer():
             x = torch.zeros(1, 2, 2)
             (x * x).t_()
+
+
+@pytest.mark.parametrize("settings", [dict(always_compile=True), dict(always_compile=False, eager_first_runs=1)],
+                         ids=["compiled", "replayed"])
+def test_a_flush_inside_a_torch_func_transform_computes_plain_tensors(settings):
+    """Found by corpus/torch_func_transforms.py: jacfwd's first use imports torch's forward-mode
+    decompositions, which run torch.jit.script, which computes everything pending first; under
+    the transform's level even ``detach()`` of a plain input returned its wrapper, which has no
+    memory for DLPack (``Cannot access data pointer of Tensor that doesn't have storage``).  And
+    hessian's decompositions run prims ops on meta scalars, which deferred stood for memory that
+    never exists."""
+    from torch.func import hessian, jacfwd, jacrev
+    x = torch.randn(4)
+
+    def f(t):
+        return (t.sin() * t.cos()).sum() + (t ** 3).sum() * 0.1
+
+    expected = (jacfwd(torch.tanh)(x * 2), hessian(f)(x), jacrev(torch.sin)(x))
+    with deferfuse.config.override(cache_dir="", background_compile=False, **settings):
+        with deferfuse.defer():
+            y = x * 2
+            got = (jacfwd(torch.tanh)(y), hessian(f)(x), jacrev(torch.sin)(x))
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e)
+
+
+def test_a_model_moved_to_the_meta_device_under_defer():
+    """Found by corpus/torch_func_transforms.py (an ensemble's stateless base): ``.to("meta")`` of
+    a model whose parameters were deferred re-pointed each parameter through ``.data`` at a
+    deferred meta tensor, which torch refused (``incompatible tensor type``).  Ops on meta
+    tensors, or making them, run at once: they cost nothing and hold no data."""
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    with deferfuse.config.override(cache_dir="", always_compile=True), deferfuse.defer():
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin[0].weight.mul_(2)
+        base = copy.deepcopy(twin).to("meta")
+        assert all(p.device.type == "meta" and type(p) is torch.nn.Parameter for p in base.parameters())
+        out = base(torch.randn(2, 3, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 1)
+    torch.testing.assert_close(twin[0].weight, model[0].weight * 2)

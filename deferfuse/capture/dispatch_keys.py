@@ -21,6 +21,9 @@ def no_dispatch():
     torch's C++ guard excludes its Python dispatch keys on this thread: the modes stay on the
     stack but are not called (``recorder_on_stack`` sees the exclusion).  Popping the modes
     and pushing them back (``_disable_current_modes``) gives the same and costs ~8 us, once per
-    flush."""
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    flush.  torch.func's transforms are excluded too: a flush inside ``jacfwd`` or ``vmap``
+    computes ops recorded below them, on plain tensors (under a transform's level, even
+    ``detach()`` of a plain tensor returns its wrapper, which has no memory for DLPack or a
+    write-back)."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch._C._DisableFuncTorch():
         yield

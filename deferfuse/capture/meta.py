@@ -100,6 +100,11 @@ def _first_device(args: tuple, kwargs: dict) -> torch.device:
     return torch.get_default_device()
 
 
+def _to_meta_device(kwargs: dict) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "meta"
+
+
 def _meta_of_output(out: Any, device: torch.device) -> Optional[TensorMeta]:
     if isinstance(out, torch.Tensor):
         return TensorMeta.of(out, device)
@@ -194,6 +199,12 @@ def _infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Me
         return entry
     STATS.meta_cache_misses += 1
     device = _first_device(args, kwargs)
+    if device.type == "meta" or _to_meta_device(kwargs):
+        # meta tensors hold no data: their ops cost nothing at once, and a deferred one would
+        # stand for memory that never exists (``model.to("meta")`` then re-pointed parameters
+        # at it through ``.data``)
+        _remember(key, _NO_META)
+        raise NoMeta(str(op))
     meta_args = tuple(_to_meta(a) for a in args)
     meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
     if "device" in kwargs and kwargs["device"] is not None:

@@ -27,7 +27,9 @@ def opaque(t: torch.Tensor) -> bool:
     """Whether the storage model cannot stand for ``t``'s memory: not dense and strided (sparse,
     mkldnn, nested, quantized: its values are not its storage's elements in its dtype), an
     efficient zero tensor (no memory at all: the zero tangents of ``torch.func.hessian``'s
-    forward-over-reverse) or a subclass that dispatches its ops itself.  DeferredTensors are
+    forward-over-reverse), a meta tensor (no memory either: ``model.to("meta")``, the
+    prims ops of ``hessian``'s decompositions), a torch.func transform's wrapper, or a subclass
+    that dispatches its ops itself.  DeferredTensors are
     never opaque."""
     cls = type(t)
     if cls is not torch.Tensor and cls is not DeferredTensor:
@@ -37,7 +39,13 @@ def opaque(t: torch.Tensor) -> bool:
                 getattr(cls, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl
         if own:
             return True
-    return t.layout is not torch.strided or t.is_nested or t.is_quantized or t._is_zerotensor()
+    return t.layout is not torch.strided or t.is_nested or t.is_quantized or t._is_zerotensor() \
+        or _functorch_wrapped(t)
+
+
+# a torch.func transform's wrapper (its memory is the wrapped tensor's, at another level):
+# jacfwd's forward-mode decompositions run ops on them below the transform
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def opaque_in(args: tuple, kwargs: dict) -> bool:
