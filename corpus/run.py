@@ -41,6 +41,15 @@ WAYS = ("strict", "defer", "deferred", "warm", "compiled")
 # (two: each program costs 15-30 s of the suite's time, five processes; tests/test_value_errors.py
 # and tests/test_foreign_memory.py test the mechanisms themselves)
 FAST = ("one_hot_checks", "numpy_view_writes")
+# Programs whose output differs where deferfuse documents that it does, and why: the runner
+# still runs them every way and reports the difference (tests/test_corpus.py expects it to fail
+# there, not to pass).  A fix makes the program pass and its entry go.
+KNOWN_DIFFERENCES = {
+    "tensor_type_names": "a value still pending when the program looks at it is a DeferredTensor: "
+                         "type(t) is torch.Tensor is False (docs/semantics.md, Known differences: type(t))",
+    "tensor_subclass": "a __torch_function__ that returns func's result with subclass dispatch off "
+                       "hands back the pending value, a DeferredTensor (docs/semantics.md, Known differences: type(t))",
+}
 TIMEOUT_S = 900
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|nan|inf")
 
@@ -139,12 +148,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for program, verdicts in zip(found, pool.map(lambda p: check(p, ways), found)):
             bad = {w: v for w, v in verdicts.items() if v is not None}
-            failures += bool(bad)
+            known = KNOWN_DIFFERENCES.get(program.stem)
+            failures += bool(bad) and known is None
             cells = " ".join(f"{w}:{'ok' if verdicts.get(w) is None else 'DIFF'}" for w in ways if w != "strict")
-            print(f"{program.stem:32s} {cells}", flush=True)
+            print(f"{program.stem:32s} {cells}{'  (known: ' + known + ')' if bad and known else ''}", flush=True)
             for way, why in bad.items():
                 print(f"    {way}: {why}")
-    print(f"\n{len(found) - failures} of {len(found)} programs print strict's output every way")
+    print(f"\n{len(found) - failures} of {len(found)} programs print strict's output every way, or differ "
+          f"only where docs/semantics.md says they do")
     return 1 if failures else 0
 
 

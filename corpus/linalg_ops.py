@@ -1,0 +1,45 @@
+"""Linear algebra: solve, cholesky, qr, svd values, eigh, inv, det, slogdet, lstsq, matrix_norm,
+on well-conditioned random matrices (checked by residuals, printed with few digits)."""
+import torch
+
+torch.manual_seed(0)
+A = torch.randn(5, 5, dtype=torch.float64)
+spd = A @ A.T + 5 * torch.eye(5, dtype=torch.float64)
+b = torch.randn(5, 2, dtype=torch.float64)
+x = torch.linalg.solve(spd, b)
+print("solve residual small", bool((spd @ x - b).abs().max() < 1e-10), f"{x.sum().item():.6f}")
+L = torch.linalg.cholesky(spd)
+print("cholesky lower", bool(torch.allclose(L, L.tril())), f"{L.diagonal().prod().item():.6f}")
+print("cholesky_solve", bool(torch.allclose(torch.cholesky_solve(b, L), x)))
+Q, R = torch.linalg.qr(A)
+print("qr orthonormal", bool(torch.allclose(Q.T @ Q, torch.eye(5, dtype=torch.float64))), "R upper", bool(torch.allclose(R, R.triu())))
+print("|diag R|", [f"{v:.4f}" for v in R.diagonal().abs().tolist()])
+s = torch.linalg.svdvals(A)
+print("svdvals", [f"{v:.5f}" for v in s.tolist()])
+U, S, Vh = torch.linalg.svd(A)
+print("svd reconstruct", bool(torch.allclose(U @ torch.diag(S) @ Vh, A)))
+w, V = torch.linalg.eigh(spd)
+print("eigh", [f"{v:.5f}" for v in w.tolist()])
+print("eigh reconstruct", bool(torch.allclose(V @ torch.diag(w) @ V.T, spd)))
+inv = torch.linalg.inv(spd)
+print("inv", bool(torch.allclose(inv @ spd, torch.eye(5, dtype=torch.float64))), f"{inv.trace().item():.6f}")
+print("det", f"{torch.linalg.det(A).item():.6f}", "slogdet", [f"{v:.6f}" for v in torch.linalg.slogdet(A)])
+M = torch.randn(20, 3, dtype=torch.float64)
+t = torch.randn(20, 1, dtype=torch.float64)
+sol = torch.linalg.lstsq(M, t).solution
+print("lstsq", [f"{v:.6f}" for v in sol.flatten().tolist()])
+print("normal equations", bool(torch.allclose(M.T @ M @ sol, M.T @ t)))
+print("norms", f"{torch.linalg.matrix_norm(A).item():.5f}", f"{torch.linalg.matrix_norm(A, ord=2).item():.5f}",
+      f"{torch.linalg.vector_norm(b, ord=3).item():.5f}")
+# float32 batched
+Ab = torch.randn(3, 4, 4) + 4 * torch.eye(4)
+bb = torch.randn(3, 4)
+xb = torch.linalg.solve(Ab, bb)
+print("batched solve", tuple(xb.shape), bool((torch.einsum("bij,bj->bi", Ab, xb) - bb).abs().max() < 1e-4))
+print("batched det", [f"{v:.3f}" for v in torch.det(Ab).tolist()])
+print("pinv", bool(torch.allclose(torch.linalg.pinv(M) @ M, torch.eye(3, dtype=torch.float64))))
+print("matrix_exp", f"{torch.linalg.matrix_exp(A * 0.1).trace().item():.6f}")
+# a gradient through solve and logdet
+P = spd.clone().requires_grad_(True)
+(torch.linalg.solve(P, b).sum() + torch.logdet(P)).backward()
+print("grad", f"{P.grad.sum().item():.6f}")

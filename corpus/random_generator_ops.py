@@ -1,0 +1,50 @@
+"""Random ops with a seeded generator and with the global seed: dropout masks, multinomial,
+randperm, normal_/uniform_/bernoulli_, randint, get_rng_state/set_rng_state replay."""
+import torch
+import torch.nn.functional as F
+
+g = torch.Generator().manual_seed(1234)
+print("rand", [f"{v:.5f}" for v in torch.rand(4, generator=g).tolist()])
+print("randn", [f"{v:.5f}" for v in torch.randn(4, generator=g).tolist()])
+print("randint", torch.randint(0, 100, (6,), generator=g).tolist())
+print("randperm", torch.randperm(10, generator=g).tolist())
+probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+print("multinomial", torch.multinomial(probs, 8, replacement=True, generator=g).tolist())
+print("multinomial no replacement", torch.multinomial(probs, 3, generator=g).tolist())
+t = torch.empty(5)
+t.normal_(mean=2.0, std=0.5, generator=g)
+print("normal_", [f"{v:.5f}" for v in t.tolist()])
+t.uniform_(-1, 1, generator=g)
+print("uniform_", [f"{v:.5f}" for v in t.tolist()])
+print("bernoulli", torch.bernoulli(torch.full((8,), 0.3), generator=g).int().tolist())
+t.exponential_(generator=g)
+print("exponential_", [f"{v:.5f}" for v in t.tolist()])
+print("normal tensor", [f"{v:.5f}" for v in torch.normal(torch.zeros(3), torch.ones(3), generator=g).tolist()])
+
+torch.manual_seed(0)
+x = torch.ones(2, 8)
+print("dropout", F.dropout(x, p=0.5, training=True).tolist())
+print("dropout no train", F.dropout(x, p=0.5, training=False).sum().item())
+state = torch.get_rng_state()
+a = torch.randn(3)
+torch.set_rng_state(state)
+b = torch.randn(3)
+print("rng state replay", torch.equal(a, b))
+torch.manual_seed(5)
+layer = torch.nn.Dropout(0.3)
+masks = [(layer(torch.ones(10)) == 0).int().tolist() for _ in range(2)]
+print("nn.Dropout masks", masks)
+print("alpha_dropout", [f"{v:.4f}" for v in F.alpha_dropout(torch.ones(5), 0.5, training=True).tolist()])
+with torch.random.fork_rng():
+    torch.manual_seed(99)
+    inner = torch.rand(2)
+after = torch.rand(2)
+torch.manual_seed(5)
+for _ in range(2):
+    layer(torch.ones(10))
+F.alpha_dropout(torch.ones(5), 0.5, training=True)
+print("fork_rng restored", torch.equal(after, torch.rand(2)), [f"{v:.4f}" for v in inner.tolist()])
+print("initial_seed", g.initial_seed(), torch.initial_seed())
+gen2 = torch.Generator().manual_seed(1234)
+print("same seed same stream", torch.equal(torch.rand(4, generator=gen2), torch.rand(4, generator=torch.Generator().manual_seed(1234))))
+print("shuffle via randperm", torch.arange(10)[torch.randperm(10, generator=torch.Generator().manual_seed(3))].tolist())
