@@ -29,7 +29,7 @@ def test_every_public_function_is_in_the_readme():
 
 # Paths of other projects' files that the docs may name (torch's sources, JAX's): not ours.
 _FOREIGN_ROOTS = ("torch", "jax", "jaxlib", "aten", "c10", "third_party")
-_ROOT_FOLDERS = ("deferfuse", "bench", "tests", "docs")
+_ROOT_FOLDERS = ("deferfuse", "bench", "tests", "docs", "corpus", "conformance")
 _SUBPACKAGES = sorted(p for p in os.listdir(os.path.join(ROOT, "deferfuse"))
                       if os.path.isdir(os.path.join(ROOT, "deferfuse", p)) and p != "__pycache__")
 
@@ -57,7 +57,7 @@ def _exists(path):
         return os.path.isfile(os.path.join(base, path))
     if os.path.isfile(os.path.join(ROOT, path)):
         return True
-    for folder in ("deferfuse", "tests", "bench"):
+    for folder in ("deferfuse", "tests", "bench", "corpus"):
         for _, _, files in os.walk(os.path.join(ROOT, folder)):
             if path in files:
                 return True
