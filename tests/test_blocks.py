@@ -544,6 +544,27 @@ def test_a_default_mode_segment_starts_at_once_and_tries_within_its_budget(monke
         assert not choice.runs_at_once
 
 
+def test_a_segments_first_trial_is_priced_from_its_runs_at_once(monkeypatch):
+    """Found by bench.loops: a Llama step's first deferred run (recording ~1,300 new ops,
+    replaying them, the compiles it starts) costs 3-5 s, 22-37 of its runs at once, where the
+    trial was expected to cost first_trial_estimate() alone; the one trial the budget allowed
+    at the 70th step then cost a 100-step loop 20-60% of strict's time.  A default mode's
+    segment, and the discovery of its boundaries, now expect SEGMENT_TRIAL_RUNS runs at once
+    more; a with-block (credit, no such runs) is priced as before."""
+    monkeypatch.setattr(blocks, "first_trial_estimate", lambda: 0.3)
+    share, step = 0.05, 0.135
+    expected = 0.3 + blocks.SEGMENT_TRIAL_RUNS * step
+    segment = blocks.BlockChoice("segment:7", trial_runs=blocks.SEGMENT_TRIAL_RUNS)
+    block = blocks.BlockChoice("block:7", credit=blocks.BLOCK_CREDIT_S)
+    with config.override(explore_share=share):
+        runs = 0
+        while segment.runs_at_once:
+            segment.finished(step, True, at_once=True)
+            runs += 1
+        assert runs * step * share >= expected > (runs - 1) * step * share
+        assert not block.runs_at_once   # (its credit covers a first trial at once)
+
+
 def test_a_compile_that_does_not_fit_the_budget_is_put_off(tier, monkeypatch):
     from deferfuse.exec import executables
     clock = tier(deferred=1.0, at_once=1.0)
@@ -577,3 +598,23 @@ def test_a_run_at_once_is_not_timed_while_a_compile_takes_a_core(monkeypatch):
     choice.starting(True)
     choice.finished(1.0, True, at_once=True)
     assert choice.at_once == [1.0] and choice.phase is Phase.MEASURE_DEFERRED
+
+
+def test_discovering_a_programs_boundaries_is_priced_from_its_steps(monkeypatch):
+    """The default mode's first deferred run (discovery, Segments.may_discover) is the same
+    trial: once a step's end has been timed at once, it waits for the budget to cover
+    SEGMENT_TRIAL_RUNS of those steps as well as first_trial_estimate()."""
+    now = [0.0]
+    monkeypatch.setattr(blocks, "clock", lambda: now[0])
+    monkeypatch.setattr(blocks, "first_trial_estimate", lambda: 0.3)
+    segments = blocks.Segments()
+    with config.override(explore_share=0.05, eager_segments=True, always_compile=False):
+        now[0] = 7.0
+        assert segments.may_discover()                     # (nothing timed: the estimate alone)
+        step = blocks.BlockChoice("step:3", trial_runs=blocks.SEGMENT_TRIAL_RUNS)
+        for _ in range(5):
+            step.finished(0.135, True, at_once=True)
+        segments.choice = step
+        assert not segments.may_discover()                 # 0.35 s of budget, ~4.4 s expected
+        now[0] = (0.3 + blocks.SEGMENT_TRIAL_RUNS * 0.135) / 0.05
+        assert segments.may_discover()

@@ -94,6 +94,12 @@ BLOCK_CREDIT_S = 1.0
 FIRST_TRIAL_S = 0.1     # a first deferred run's cost over at once, before one was timed ...
 JAX_START_S = 0.5       # ... importing JAX and starting its client, where nothing has yet ...
 SYMPY_START_S = 0.2     # ... and the first metadata inference's imports
+# ... and, for a default mode's segment, this many of its runs at once: recording a segment the
+# first time (each new op's metadata inferred), replaying it and the compiles it starts cost
+# 22-37 runs at once of a Llama step (3-5 s against 0.135 s, bench.loops), so a loop of big
+# steps tries the deferred way once that fits its budget (~90 s of a Llama loop), not at its
+# 70th step (the trial then cost a 100-step loop 20-60% of strict's time)
+SEGMENT_TRIAL_RUNS = 30.0
 # a background compile's share of the machine: it takes one core while the program runs on
 # the others (torch's kernels use every core)
 COMPILE_SHARE = 1.0 / max(1, os.cpu_count() or 1)
@@ -137,10 +143,14 @@ class BlockChoice:
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
                  "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
-                 "compiling", "credit", "unpriced", "startup")
+                 "compiling", "credit", "unpriced", "startup", "trial_runs")
 
-    def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0) -> None:
+    def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0,
+                 trial_runs: float = 0.0) -> None:
         self.place = place
+        # a first deferred run's expected cost over at once, in runs at once, beyond
+        # first_trial_estimate() (SEGMENT_TRIAL_RUNS for a default mode's segments)
+        self.trial_runs = trial_runs
         # exploration the place may spend before any time has run there: a ``with defer()``
         # block asks for deferral, so it tries it at once (BLOCK_CREDIT_S); a default mode's
         # segment asks for nothing
@@ -196,7 +206,11 @@ class BlockChoice:
             return True
         if self.unpriced is not None:
             return False   # (the last deferred run is priced against a run at once first)
-        expected = self.trial if self.trial is not None else first_trial_estimate()
+        expected = self.trial
+        if expected is None:
+            expected = first_trial_estimate()
+            if self.trial_runs and self.reference:
+                expected += self.trial_runs * _median(self.reference)
         return self.spent + expected <= share * self.elapsed + self.credit
 
     def starting(self, at_once: bool) -> None:
@@ -513,8 +527,15 @@ class Segments:
         program has run long enough that what a first deferred run costs (starting JAX, the
         first metadata inference) is within explore_share of its time."""
         share = config.get("explore_share")
-        return share >= 1.0 or not config.shortcuts().segments_timed \
-            or (clock() - self.created) * share >= first_trial_estimate()
+        if share >= 1.0 or not config.shortcuts().segments_timed:
+            return True
+        expected = first_trial_estimate()
+        choice = self.choice
+        if choice is not None and choice.reference:
+            # (the segment running at once, a training step say, measured: a first deferred
+            # run of it costs SEGMENT_TRIAL_RUNS of its runs at once)
+            expected += SEGMENT_TRIAL_RUNS * _median(choice.reference)
+        return (clock() - self.created) * share >= expected
 
     @staticmethod
     def starts_segments(place: Any) -> bool:
@@ -547,7 +568,7 @@ class Segments:
             if len(_PLACES) >= _MAX_PLACES:
                 _PLACES.clear()
             what = "steps ending" if step else "reads starting segments"
-            choice = _PLACES[key] = BlockChoice(f"{place} ({what})")
+            choice = _PLACES[key] = BlockChoice(f"{place} ({what})", trial_runs=SEGMENT_TRIAL_RUNS)
         self.choice = choice
         self.way = recorder.at_once_segment = choice.runs_at_once   # (nothing pending: flushed above)
         choice.starting(self.way)
