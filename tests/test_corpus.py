@@ -19,7 +19,7 @@ def _cases():
         yield pytest.param(program, id=program.stem, marks=marks)
 
 
-@pytest.mark.parametrize("program", _cases())
+@pytest.mark.parametrize("program", list(_cases()))
 def test_a_client_program_prints_what_strict_prints(program):
     verdicts = corpus.check(program)
     bad = {way: why for way, why in verdicts.items() if why is not None}
