@@ -119,8 +119,12 @@ def note_torch_memory(t: torch.Tensor) -> None:
     are not: treated as foreign, the optimizer state of a resumed run was read through copies,
     and its programs were not the uninterrupted run's)."""
     storage = untyped_storage(t)
-    if storage.resizable() or storage.is_shared():
-        return
+    if not storage.resizable() and not storage.is_shared():
+        _remember_shown(storage)
+
+
+def _remember_shown(storage: Any) -> None:
+    """Note ``storage`` as torch's own memory (``_SHOWN``), dropping dead entries when full."""
     if len(_SHOWN) >= _SHOWN_LIMIT:
         for ptr in [p for p, ref in _SHOWN.items() if ref() is None]:
             del _SHOWN[ptr]
@@ -135,13 +139,7 @@ def show_to_numpy(t: torch.Tensor, make_array: Any) -> Any:
     ``t``'s memory while it lives, and that memory known as torch's own afterwards."""
     storage = untyped_storage(t)
     if storage.resizable() and not storage.is_shared():
-        if len(_SHOWN) >= _SHOWN_LIMIT:
-            for ptr in [p for p, ref in _SHOWN.items() if ref() is None]:
-                del _SHOWN[ptr]
-        try:
-            _SHOWN[storage.data_ptr()] = weakref.ref(storage)
-        except TypeError:
-            pass
+        _remember_shown(storage)
     array = make_array()
     expose(t, array)
     return array
