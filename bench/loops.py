@@ -1,7 +1,8 @@
 """Training loops that log every N steps: strict against defer mode as users run it.
 
-    python -m bench.loops [--models mlp,llama,gpt2] [--periods 1,10,50,0] [--rounds 3]
+    python -m bench.loops [--models mlp,llama,gpt2|all] [--periods 1,10,50,0] [--rounds 3]
                           [--steps mlp=400,llama=100,gpt2=100] [--size small] [--long 4000]
+                          [--lengths 24] [--deterministic]
 
 Each cell runs ``corpus/train_logging.py`` in a fresh process: strict (plain ``python``) and
 defer (``python -m deferfuse --mode defer``, every setting at its default, a fresh disk-cache
@@ -9,7 +10,11 @@ folder per round so that nothing is warm), alternating round by round.  A period
 loss only at the end.  For each cell: the loop's time (all steps, and the first 100), the
 compiles and distinct signatures (cache misses) defer mode made, and the peak resident memory of
 each.  ``--long N`` adds a run of the MLP for N steps, reading every 50, with its resident memory
-every 1,000 steps.  Results: bench/results/loops.json and a table (docs/performance.md, "Loops").
+every 1,000 steps.  ``--models all``: the MLP and every zoo model that trains.  ``--lengths L``:
+a language model's batches take L token lengths in turn (a text loader without bucketing); the
+"from step L" columns then time the loop from its second epoch of lengths on.
+``--deterministic``: both sides call ``torch.use_deterministic_algorithms(True)`` first.  Results:
+bench/results/<name>.json and a table (docs/performance.md, "Loops").
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ DEFAULT_STEPS = {"mlp": 400, "llama": 100, "gpt2": 100}
 
 
 def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir: str,
-            extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+            extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """One loop in a fresh process; its report, with its stdout (the losses it printed)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         report_path = f.name
     args = [str(CLIENT), "--model", model, "--period", str(period), "--steps", str(steps),
-            "--size", size, "--report", report_path]
+            "--size", size, "--report", report_path, *extra_args]
     if mode == "strict":
         command = [sys.executable, *args]
     else:
@@ -54,8 +59,8 @@ def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir
     return report
 
 
-def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over rounds of one cell's figures."""
+def summary(reports: list[dict[str, Any]], skip: int = 0) -> dict[str, Any]:
+    """Medians over rounds of one cell's figures; ``skip``: also the time after that many steps."""
     def med(values: list[float]) -> float:
         return statistics.median(values)
     ends = [r["step_ends"] for r in reports]
@@ -68,11 +73,14 @@ def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
         out["compiles"] = max(s["compiles"] for s in stats)
         out["signatures"] = max(s["cache_misses"] for s in stats)
         out["flushes"] = stats[0]["flushes"]
+    if skip:
+        out["after_skip_s"] = med([e[-1] - e[skip - 1] for e in ends])
     return out
 
 
 def measure(models: list[str], periods: list[int], rounds: int, steps: dict[str, int],
-            size: str) -> list[dict[str, Any]]:
+            size: str, lengths: int = 0, deterministic: bool = False) -> list[dict[str, Any]]:
+    extra = (("--lengths", str(lengths)) if lengths else ()) + (("--deterministic",) if deterministic else ())
     rows = []
     for model in models:
         for period in periods:
@@ -81,10 +89,12 @@ def measure(models: list[str], periods: list[int], rounds: int, steps: dict[str,
                 order = ("strict", "defer") if k % 2 == 0 else ("defer", "strict")
                 for mode in order:
                     with tempfile.TemporaryDirectory() as cache:
-                        runs[mode].append(run_one(model, period, steps[model], size, mode, cache))
+                        runs[mode].append(run_one(model, period, steps[model], size, mode, cache,
+                                                  extra_args=extra))
             same = all(r["stdout"] == runs["strict"][0]["stdout"] for r in runs["defer"])
-            row = {"model": model, "period": period, "steps": steps[model],
-                   "strict": summary(runs["strict"]), "defer": summary(runs["defer"]),
+            row = {"model": model, "period": period, "steps": steps[model], "lengths": lengths,
+                   "deterministic": deterministic,
+                   "strict": summary(runs["strict"], lengths), "defer": summary(runs["defer"], lengths),
                    "same_losses": same}
             if not same:
                 row["losses"] = {"strict": runs["strict"][0]["stdout"], "defer": runs["defer"][0]["stdout"]}
@@ -117,18 +127,23 @@ def line(row: dict[str, Any]) -> str:
             f"(first 100 {d['first100_s']:6.2f}) {d['peak_rss_mib']:6.0f} MiB, {d.get('compiles')} compiles, "
             f"{d.get('signatures')} signatures | defer/strict time {d['total_s'] / s['total_s']:.2f}x, "
             f"first 100 {d['first100_s'] / s['first100_s']:.2f}x, memory {d['peak_rss_mib'] - s['peak_rss_mib']:+.0f} MiB"
+            + (f", from step {row['lengths']} {d['after_skip_s'] / s['after_skip_s']:.2f}x" if row.get("lengths") else "")
             + ("" if row["same_losses"] else " | LOSSES DIFFER"))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| model | read every | steps | strict s (first 100) | defer s (first 100) | defer / strict (first 100) "
-           "| compiles (signatures) | peak MiB strict / defer | losses |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    lengths = any(r.get("lengths") for r in rows)
+    head = "| model | read every | steps | strict s (first 100) | defer s (first 100) | defer / strict (first 100) "
+    rule = "|---|---|---|---|---|---|"
+    if lengths:
+        head, rule = head + "| defer / strict from the second epoch of lengths ", rule + "---|"
+    out = [head + "| compiles (signatures) | peak MiB strict / defer | losses |", rule + "---|---|---|"]
     for r in rows:
         s, d = r["strict"], r["defer"]
+        epoch2 = f"| {d['after_skip_s'] / s['after_skip_s']:.2f}x " if lengths else ""
         out.append(f"| {r['model']} | {_period(r['period'])} | {r['steps']} | {s['total_s']:.2f} ({s['first100_s']:.2f}) "
                    f"| {d['total_s']:.2f} ({d['first100_s']:.2f}) | {d['total_s'] / s['total_s']:.2f}x "
-                   f"({d['first100_s'] / s['first100_s']:.2f}x) | {d.get('compiles')} ({d.get('signatures')}) "
+                   f"({d['first100_s'] / s['first100_s']:.2f}x) {epoch2}| {d.get('compiles')} ({d.get('signatures')}) "
                    f"| {s['peak_rss_mib']:.0f} / {d['peak_rss_mib']:.0f} | {'same' if r['same_losses'] else 'differ'} |")
     return "\n".join(out)
 
@@ -141,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="", help="e.g. mlp=400,llama=100")
     parser.add_argument("--size", default="small")
     parser.add_argument("--long", type=int, default=0, help="also run the MLP this many steps")
+    parser.add_argument("--lengths", type=int, default=0, help="language models' batches take this many lengths")
+    parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     parser.add_argument("--name", default="loops")
     args = parser.parse_args(argv)
     steps = dict(DEFAULT_STEPS)
@@ -148,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         name, value = part.split("=")
         steps[name] = int(value)
     models = args.models.split(",")
+    if models == ["all"]:
+        from bench import zoo_models
+        models = ["mlp"] + [name for name, spec in zoo_models.MODELS.items() if spec.trains]
     for m in models:
         steps.setdefault(m, 100)
-    rows = measure(models, [int(p) for p in args.periods.split(",")], args.rounds, steps, args.size)
-    result: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds, "size": args.size, "rows": rows}
+    rows = measure(models, [int(p) for p in args.periods.split(",")], args.rounds, steps, args.size,
+                   args.lengths, args.deterministic)
+    result: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds, "size": args.size,
+                              "lengths": args.lengths, "deterministic": args.deterministic, "rows": rows}
     if args.long:
         result["long"] = long_run(args.long, args.size)
     print()

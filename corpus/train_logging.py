@@ -1,7 +1,8 @@
 """A training loop that logs its loss every N steps, the way most scripts do.
 
     python corpus/train_logging.py [--model mlp|llama|gpt2|...] [--period N] [--steps S]
-                                   [--size tiny|small] [--lengths L] [--report PATH]
+                                   [--size tiny|small] [--lengths L] [--deterministic]
+                                   [--report PATH]
 
 ``--period 0`` reads the loss only at the end.  The model is the 64 -> 256 -> 256 -> 1 MLP
 (LayerNorm, GELU) of issue 40, or a model of the zoo (bench/zoo_models.py) at ``--size``;
@@ -54,8 +55,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--size", default="small")
     parser.add_argument("--lengths", type=int, default=0, help="a language model's batches take this many lengths")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) first, as a reproducible run does")
     parser.add_argument("--report")
     args = parser.parse_args()
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
     model, loss_of = build(args.model, args.size, args.lengths)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -32,3 +32,14 @@ def test_debug_overhead_times_every_variant_of_a_step(tmp_path):
     (row,) = json.loads(out.read_text())["steps"]
     assert set(row["median_ms"]) == {"strict", *debug_overhead.VARIANTS}
     assert row["ops_per_step"] > 500
+
+
+def test_loops_times_a_loop_of_changing_lengths_from_its_second_epoch(tmp_path, monkeypatch):
+    from bench import loops
+    monkeypatch.setattr(loops, "RESULTS_DIR", tmp_path)
+    assert loops.main(["--models", "gpt2", "--periods", "0", "--rounds", "1", "--steps", "gpt2=6",
+                       "--size", "tiny", "--lengths", "3", "--deterministic", "--name", "t"]) == 0
+    (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert row["lengths"] == 3 and row["deterministic"] and row["same_losses"]
+    for side in ("strict", "defer"):
+        assert 0 < row[side]["after_skip_s"] < row[side]["total_s"]
