@@ -330,3 +330,62 @@ def test_two_processes_building_at_once_both_get_a_whole_library(tmp_path, reque
     # and a third process loads what they left, building nothing
     done = subprocess.run(build, capture_output=True, text=True, env=environment, timeout=300)
     assert done.returncode == 0 and os.listdir(tmp_path / "native") == [f"host_kernels-{hostkernels.fingerprint()}.so"]
+
+
+_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default,
+             torch.ops.aten.convolution_backward.default}
+
+
+def _zoo_products(model) -> list[tuple]:
+    """The products a strict training step of a tiny zoo model calls: each op with copies of its
+    operands (their strides kept) and strict's results, one per distinct call signature."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bench import zoo_models as zoo
+
+    def keep(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        c = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
+        return c.copy_(a)
+
+    seen: dict[tuple, tuple] = {}
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in _PRODUCTS:
+                key = (func, tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor)
+                                   else repr(a) for a in args))
+                if key not in seen:
+                    seen[key] = (func, [keep(a) for a in args], kwargs or {},
+                                 [keep(o) if isinstance(o, torch.Tensor) else o
+                                  for o in (out if isinstance(out, (tuple, list)) else [out])])
+            return out
+
+    m = model.make("tiny")
+    optimizer = zoo.optimizer_for(m, model)
+    batch = model.batch("tiny", torch.Generator().manual_seed(1))
+    with Products():
+        zoo.train_step(m, model, optimizer, batch)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "bert", "t5", "vit", "resnet", "convnext"])
+def test_the_zoos_products_give_stricts_bits(name):
+    """Every product of a zoo model's training step (forward and backward), run on strict's own
+    operands inside a compiled program (an XLA program calling the host kernel), is strict's
+    result bit for bit."""
+    from bench import zoo_models as zoo
+    products = _zoo_products(zoo.MODELS[name])
+    assert products
+    for func, args, kwargs, expected in products:
+        deferfuse.reset_stats()
+        with config.override(always_compile=True), deferfuse.defer():
+            got = func(*args, **kwargs)
+        assert deferfuse.stats()["executions"] == 1 and not deferfuse.stats()["host_kernel_fallbacks"]
+        got = got if isinstance(got, (tuple, list)) else [got]
+        for g, e in zip(got, expected):
+            if isinstance(e, torch.Tensor):
+                assert torch.equal(g, e), f"{name}: {func} on {[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}"
