@@ -9,7 +9,7 @@ defer (``python -m deferfuse --mode defer``, every setting at its default, a fre
 folder per round so that nothing is warm), alternating round by round.  A period of 0 reads the
 loss only at the end.  For each cell: the loop's time (all steps, and the first 100), the
 compiles and distinct signatures (cache misses) defer mode made, and the peak resident memory of
-each.  ``--long N`` adds a run of the MLP for N steps, reading every 50, with its resident memory
+each, and the loop from its 15th step on.  ``--long N`` adds a run of the MLP for N steps, reading every 50, with its resident memory
 every 1,000 steps.  ``--models all``: the MLP and every zoo model that trains.  ``--lengths L``:
 a language model's batches take L token lengths in turn (a text loader without bucketing); the
 "from step L" columns then time the loop from its second epoch of lengths on.
@@ -66,6 +66,7 @@ def summary(reports: list[dict[str, Any]], skip: int = 0) -> dict[str, Any]:
     ends = [r["step_ends"] for r in reports]
     first = [e[min(99, len(e) - 1)] for e in ends]
     out = {"total_s": med([e[-1] for e in ends]), "first100_s": med(first),
+           "from15_s": med([e[-1] - e[min(13, len(e) - 1)] for e in ends]),
            "peak_rss_mib": med([r["peak_rss_mib"] for r in reports]),
            "totals": [e[-1] for e in ends]}
     stats = [r.get("stats") for r in reports if r.get("stats")]
@@ -126,15 +127,17 @@ def line(row: dict[str, Any]) -> str:
             f"(first 100 {s['first100_s']:6.2f}) {s['peak_rss_mib']:6.0f} MiB | defer {d['total_s']:7.2f} s "
             f"(first 100 {d['first100_s']:6.2f}) {d['peak_rss_mib']:6.0f} MiB, {d.get('compiles')} compiles, "
             f"{d.get('signatures')} signatures | defer/strict time {d['total_s'] / s['total_s']:.2f}x, "
-            f"first 100 {d['first100_s'] / s['first100_s']:.2f}x, memory {d['peak_rss_mib'] - s['peak_rss_mib']:+.0f} MiB"
+            f"first 100 {d['first100_s'] / s['first100_s']:.2f}x, from step 15 "
+            f"{d['from15_s'] / max(s['from15_s'], 1e-9):.2f}x, memory {d['peak_rss_mib'] - s['peak_rss_mib']:+.0f} MiB"
             + (f", from step {row['lengths']} {d['after_skip_s'] / s['after_skip_s']:.2f}x" if row.get("lengths") else "")
             + ("" if row["same_losses"] else " | LOSSES DIFFER"))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lengths = any(r.get("lengths") for r in rows)
-    head = "| model | read every | steps | strict s (first 100) | defer s (first 100) | defer / strict (first 100) "
-    rule = "|---|---|---|---|---|---|"
+    head = ("| model | read every | steps | strict s (first 100) | defer s (first 100) | defer / strict (first 100) "
+            "| defer / strict from step 15 ")
+    rule = "|---|---|---|---|---|---|---|"
     if lengths:
         head, rule = head + "| defer / strict from the second epoch of lengths ", rule + "---|"
     out = [head + "| compiles (signatures) | peak MiB strict / defer | losses |", rule + "---|---|---|"]
@@ -143,7 +146,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         epoch2 = f"| {d['after_skip_s'] / s['after_skip_s']:.2f}x " if lengths else ""
         out.append(f"| {r['model']} | {_period(r['period'])} | {r['steps']} | {s['total_s']:.2f} ({s['first100_s']:.2f}) "
                    f"| {d['total_s']:.2f} ({d['first100_s']:.2f}) | {d['total_s'] / s['total_s']:.2f}x "
-                   f"({d['first100_s'] / s['first100_s']:.2f}x) {epoch2}| {d.get('compiles')} ({d.get('signatures')}) "
+                   f"({d['first100_s'] / s['first100_s']:.2f}x) | {d['from15_s'] / s['from15_s']:.2f}x "
+                   f"{epoch2}| {d.get('compiles')} ({d.get('signatures')}) "
                    f"| {s['peak_rss_mib']:.0f} / {d['peak_rss_mib']:.0f} | {'same' if r['same_losses'] else 'differ'} |")
     return "\n".join(out)
 
