@@ -43,3 +43,17 @@ def test_loops_times_a_loop_of_changing_lengths_from_its_second_epoch(tmp_path, 
     assert row["lengths"] == 3 and row["deterministic"] and row["same_losses"]
     for side in ("strict", "defer"):
         assert 0 < row[side]["after_skip_s"] < row[side]["total_s"]
+
+
+def test_generate_times_compiled_generate_beside_strict_and_checks_its_tokens(tmp_path, monkeypatch, capsys):
+    from bench import generate, harness
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    assert generate.main(["--models", "gpt2", "--size", "tiny", "--tokens", "4", "--rounds", "1",
+                          "--warmup", "0", "--lanes", "deferfuse"]) == 0
+    (row,) = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    assert set(row["lanes"]) == {"strict", "deferfuse"}
+    ours = row["lanes"]["deferfuse"]
+    assert ours["same_as_strict"] and ours["same_as_dynamic_cache"] and not ours["ids_changed"]
+    assert 1 <= ours["first_call_counts"]["compiled_graphs"] <= 3
+    assert row["counts_while_timed"]["compiled_specializations"] == 0
+    assert "tokens/s" in capsys.readouterr().out
