@@ -60,6 +60,16 @@ def layer_norm_jax(x, weight, bias):
     return (x - mean) * (1.0 / jnp.sqrt(var + 1e-5)) * weight + bias
 
 
+def layer_norm_block(x, weight, bias):
+    """A transformer block's memory-bound tail: x + GELU(LayerNorm(x))."""
+    return x + F.gelu(F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5))
+
+
+def layer_norm_block_jax(x, weight, bias):
+    import jax
+    return x + jax.nn.gelu(layer_norm_jax(x, weight, bias), approximate=False)
+
+
 def softmax(x):
     return torch.softmax(x, dim=-1)
 
@@ -448,6 +458,14 @@ def layer_norm_spec() -> Spec:
                 rtol=1e-4, atol=1e-4)
 
 
+def layer_norm_block_spec() -> Spec:
+    def make_inputs():
+        g = _generator()
+        return (_randn(g, 512, 2048), 1 + _randn(g, 2048, scale=0.1), _randn(g, 2048, scale=0.1))
+    return Spec("layernorm-gelu-residual", "512x2048", layer_norm_block, make_inputs,
+                layer_norm_block_jax, rtol=1e-4, atol=1e-4)
+
+
 def softmax_spec() -> Spec:
     def make_inputs():
         return (_randn(_generator(), 4096, 1024),)
@@ -512,7 +530,7 @@ GELU_SIZES_QUICK = (14, 22)
 def all_specs(quick: bool) -> list[Spec]:
     sizes = GELU_SIZES_QUICK if quick else GELU_SIZES_FULL
     return ([gelu_spec(s) for s in sizes]
-            + [layer_norm_spec(), softmax_spec(), mlp_spec(), attention_spec(), adamw_spec(),
+            + [layer_norm_spec(), layer_norm_block_spec(), softmax_spec(), mlp_spec(), attention_spec(), adamw_spec(),
                adamw_spec(advance_step=True), per_op_spec()])
 
 
