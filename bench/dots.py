@@ -1,6 +1,7 @@
 """Matrix products of a training step, timed in torch, in XLA, and inside deferfuse's programs.
 
     .venv/bin/python -m bench.dots [--runs 45] [--json bench/results/dots.json]
+    .venv/bin/python -m bench.dots --shapes decode [--dtypes float32,bfloat16] [--forms ...]
 
 Products are most of a training step's time (bench.train_gpt), and on the CPU deferfuse's XLA
 programs call torch's own kernels for them (host kernels, deferfuse/native/): this measures what
@@ -19,6 +20,16 @@ that buys.  Each shape runs, in one process, interleaved round by round on the s
 
 Times are the minimum and the median over ``--runs`` runs per candidate (taken in thirds, the
 candidates in turn, so they share the machine's drift); GFLOP/s from the medians.
+
+``--shapes decode`` measures where the host kernels pay (the products of a decode step have one
+row per sequence): for each form (``linear`` ``x @ W.T``, ``addmm`` ``bias + x @ W.T``, ``bmm``
+over a batch of 8, ``wgrad`` ``A.T @ G`` contracting the M rows), each M in ``--ms`` and each
+K = N in ``--kn``, the product as deferfuse lowers it inside ``jax.jit`` with the host kernel
+(``host``: its FFI custom call) and with XLA's own dot (``xla``: the same lowering with
+``host_kernels`` off), and torch eager for reference; rounds interleave the three candidates,
+each round timing a batch of calls of each, and the medians are printed with the ratio
+host / xla (above 1: XLA's dot is faster).  A 1x1x1 product first gives the per-call fixed
+cost of the FFI call (host minus xla: both pay JAX's dispatch of one jitted call).
 
 ``--single-thread`` runs every candidate on one thread (``torch.set_num_threads(1)``, XLA's
 intra-op parallelism off through ``XLA_FLAGS``, set before JAX starts) and times the process's
@@ -157,6 +168,135 @@ def measure(runs: int, only: str | None = None) -> list[dict]:
     return rows
 
 
+# --shapes decode: the forms and sizes (see the docstring)
+DECODE_FORMS = ("linear", "addmm", "bmm", "wgrad")
+DECODE_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+DECODE_KN = (256, 512, 1024)
+DECODE_BATCH = 8   # (bmm's batch)
+
+
+def _decode_case(form: str, m: int, k: int, n: int, dtype: torch.dtype, rng) -> dict:
+    """The three candidates of one decode-set product: torch eager, and deferfuse's lowering of
+    its aten op inside ``jax.jit`` with the host kernel and with XLA's dot."""
+    import jax
+    import jax.numpy as jnp
+
+    from deferfuse import config
+    from deferfuse.ir.meta import TensorMeta
+    from deferfuse.lower import linalg
+    from deferfuse.lower.registry import LoweringContext
+
+    aten = torch.ops.aten
+
+    def t(*shape):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(dtype)
+
+    if form in ("linear", "addmm"):
+        x, w = t(m, k), t(n, k)                    # W stored (out, in); the product reads W.T, a view
+        args = (x, w.t()) if form == "linear" else (t(n), x, w.t())
+        op = aten.mm.default if form == "linear" else aten.addmm.default
+        eager = (lambda: torch.mm(x, w.t())) if form == "linear" else (lambda: torch.addmm(args[0], x, w.t()))
+        flops = 2 * m * k * n
+    elif form == "bmm":
+        a, b = t(DECODE_BATCH, m, k), t(DECODE_BATCH, k, n)
+        args, op, eager = (a, b), aten.bmm.default, (lambda: torch.bmm(a, b))
+        flops = 2 * DECODE_BATCH * m * k * n
+    else:   # wgrad: A.T @ G, A (M, K), G (M, N): a (K, N) result contracting the M rows
+        a, g = t(m, k), t(m, n)
+        args, op, eager = (a.t(), g), aten.mm.default, (lambda: torch.mm(a.t(), g))
+        flops = 2 * m * k * n
+    expected = eager()
+    metas = tuple(TensorMeta.of(v) for v in args)
+    ctx = LoweringContext(op, metas, {}, (TensorMeta.of(expected),))
+    # the arrays a program holds: each operand as stored (W as (out, in)), a transposed view
+    # transposed inside the program, as deferfuse records ``w.t()`` (XLA cancels that transpose
+    # against the host kernel's, or folds it into its dot)
+    flipped = tuple(v.dim() == 2 and v.stride() == (1, v.shape[0]) and v.shape[0] > 1 for v in args)
+    jdtype = jnp.bfloat16 if dtype == torch.bfloat16 else jnp.float32
+    arrays = tuple(jnp.asarray((v.t() if f else v).float().contiguous().numpy()).astype(jdtype)
+                   for v, f in zip(args, flipped))
+    rule = linalg.mm if op in (aten.mm.default, aten.bmm.default) else linalg.addmm
+
+    def program(*xs):
+        return rule(ctx, *(jnp.swapaxes(x, 0, 1) if f else x for x, f in zip(xs, flipped)))
+
+    def lowered(host: bool):
+        # (deferfuse traces its programs with 64-bit types on: addmm's beta and alpha are float64)
+        with config.override(host_kernels=host, host_kernel_min_flops=0), jax.enable_x64(True):
+            # (traced now, under the override: a new function each time, which JAX's trace
+            # cache cannot answer from the other candidate's trace)
+            fn = jax.jit(lambda *xs: program(*xs)).lower(*arrays).compile()
+        run = lambda: fn(*arrays).block_until_ready()   # noqa: E731
+        run.text = fn.as_text()
+        return run
+
+    found = {"torch": eager, "host": lowered(True), "xla": lowered(False)}
+    for name in ("host", "xla"):
+        # (each is what it says: the host kernel's custom call, or none)
+        assert ("deferfuse_host_" in found[name].text) == (name == "host"), name
+        got = torch.from_numpy(np.asarray(found[name]()).astype(np.float32))
+        torch.testing.assert_close(got, expected.float(), rtol=2e-2, atol=2e-1 if dtype == torch.bfloat16 else 1e-2,
+                                   msg=lambda text: f"{form} {m}x{k}x{n} {name}: {text}")
+    return {"found": found, "flops": flops}
+
+
+def _interleaved(found: dict, rounds: int, budget_s: float) -> dict[str, list[float]]:
+    """Samples of each candidate: ``rounds`` rounds, the candidates in turn, each taking about
+    ``budget_s`` (at least 3 calls, at most 200) of calls per round."""
+    clock = CLOCK[0]
+    estimate = {}
+    for name, fn in found.items():
+        fn()
+        start = clock()
+        fn()
+        estimate[name] = max(clock() - start, 1e-7)
+    samples: dict[str, list[float]] = {name: [] for name in found}
+    for _ in range(rounds):
+        for name, fn in found.items():
+            for _ in range(max(3, min(200, int(budget_s / estimate[name])))):
+                start = clock()
+                fn()
+                samples[name].append(clock() - start)
+    return samples
+
+
+def measure_decode(dtypes: list[str], forms: list[str], ms: list[int], kns: list[int],
+                   rounds: int, budget_s: float) -> dict:
+    from deferfuse.exec import backend
+    from deferfuse.native import hostkernels
+    backend.prepare()
+    if not hostkernels.ensure():
+        raise SystemExit(f"host kernels unavailable: {hostkernels.status().get('error')}")
+    rng = np.random.default_rng(0)
+    rows = []
+    # the per-call fixed cost: a 1x1x1 product, host minus xla
+    fixed = _decode_case("linear", 1, 1, 1, torch.float32, rng)
+    samples = _interleaved(fixed["found"], rounds * 4, budget_s)
+    overhead = {c: statistics.median(s) * 1e6 for c, s in samples.items()}
+    print(f"1x1x1 float32 product, median us: " + ", ".join(f"{c} {v:.1f}" for c, v in overhead.items())
+          + f"; the FFI call's fixed cost (host - xla): {overhead['host'] - overhead['xla']:.1f} us", flush=True)
+    print(f"{'dtype':9s} {'form':7s} {'M':>5s} {'K=N':>5s} {'MFLOP':>9s} {'torch us':>9s} {'host us':>9s} "
+          f"{'xla us':>9s} {'host/xla':>8s}", flush=True)
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for form in forms:
+            for kn in kns:
+                for m in ms:
+                    case = _decode_case(form, m, kn, kn, dtype, rng)
+                    samples = _interleaved(case["found"], rounds, budget_s)
+                    med = {c: statistics.median(s) * 1e6 for c, s in samples.items()}
+                    row = {"dtype": dtype_name, "form": form, "m": m, "k": kn, "n": kn,
+                           "batch": DECODE_BATCH if form == "bmm" else 1, "flops": case["flops"],
+                           **{f"{c}_median_us": v for c, v in med.items()},
+                           **{f"{c}_min_us": min(s) * 1e6 for c, s in samples.items()},
+                           "host_over_xla": med["host"] / med["xla"]}
+                    rows.append(row)
+                    print(f"{dtype_name:9s} {form:7s} {m:5d} {kn:5d} {case['flops'] / 1e6:9.2f} "
+                          f"{med['torch']:9.1f} {med['host']:9.1f} {med['xla']:9.1f} "
+                          f"{row['host_over_xla']:8.2f}", flush=True)
+    return {"fixed_cost_us": overhead, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.dots", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,6 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows and machine here")
     parser.add_argument("--single-thread", action="store_true",
                         help="one thread everywhere, timed by CPU time (see above)")
+    parser.add_argument("--shapes", default="training", choices=("training", "decode"),
+                        help="the training step's shapes, or the decode set (see above)")
+    parser.add_argument("--dtypes", default="float32", help="decode set: dtypes, comma-separated")
+    parser.add_argument("--forms", default=",".join(DECODE_FORMS), help="decode set: forms")
+    parser.add_argument("--ms", default=",".join(map(str, DECODE_MS)), help="decode set: rows M")
+    parser.add_argument("--kn", default=",".join(map(str, DECODE_KN)), help="decode set: K = N")
+    parser.add_argument("--rounds", type=int, default=7, help="decode set: interleaved rounds")
+    parser.add_argument("--budget", type=float, default=0.01,
+                        help="decode set: seconds of calls per candidate per round")
     args = parser.parse_args(argv)
     if args.single_thread:
         if "jax" in sys.modules:
@@ -175,7 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     print(f"{info.get('cpu_model', '?')} {info.get('cpu_vector_flags', [])}, torch BLAS "
           f"{info.get('torch_blas', '?')}, {torch.get_num_threads()} torch threads, "
-          f"{CLOCK[0].__name__}, load average {os.getloadavg()[0]:.2f}")
+          f"{CLOCK[0].__name__}, load average {os.getloadavg()[0]:.2f}", flush=True)
+    if args.shapes == "decode":
+        found = measure_decode(args.dtypes.split(","), args.forms.split(","),
+                               [int(v) for v in args.ms.split(",")], [int(v) for v in args.kn.split(",")],
+                               args.rounds, args.budget)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": info, "torch_threads": torch.get_num_threads(), "clock": CLOCK[0].__name__,
+                           "load_average": os.getloadavg(), **found}, f, indent=1)
+        return 0
     rows = measure(args.runs, args.only)
     present = [c for c in CANDIDATES if any(c in r for r in rows)]
     print("min / median microseconds (GFLOP/s of the median); ratios: torch's median over each")

@@ -58,3 +58,16 @@ def test_shortcuts_apply_their_override_rules_in_one_place():
                          eager_blocks=True, eager_first_runs=2, eager_small_flush=5):
         s = config.shortcuts()
         assert s.lone_ops_at_once and s.blocks_timed and s.eager_first_runs == 2 and s.small_flush_nodes == 5
+
+
+def test_the_host_kernels_threshold_is_a_compile_setting():
+    """``host_kernel_min_flops`` routes products between torch's kernels and XLA's dots by
+    shape: it changes compiled code, so it is part of the executable cache key."""
+    setting = config.settings()["host_kernel_min_flops"]
+    assert setting.type is int and setting.default == 1 << 24 and setting.affects_compile
+    assert setting.parse("0") == 0 and setting.env_var == "DEFERFUSE_HOST_KERNEL_MIN_FLOPS"
+    keys = set()
+    for threshold in (0, 1 << 20, 1 << 24):
+        with config.override(host_kernel_min_flops=threshold):
+            keys.add(config.compile_key())
+    assert len(keys) == 3

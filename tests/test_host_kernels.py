@@ -34,6 +34,15 @@ pytestmark = pytest.mark.skipif(not hostkernels.ensure(),
                                 reason=f"host kernels unavailable: {hostkernels.status().get('error')}")
 
 
+@pytest.fixture(autouse=True)
+def _every_product_hosted():
+    """The bit-for-bit tests below use small shapes, which the routing by size
+    (``host_kernel_min_flops``) would give XLA's dots: every product goes to the host kernels
+    here unless a test says otherwise (the routing's own tests, at the end)."""
+    with config.override(host_kernel_min_flops=0):
+        yield
+
+
 def _deferred(fn, *args):
     deferfuse.reset_stats()
     with config.override(always_compile=True):
@@ -255,7 +264,8 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(cache: str, **env: str) -> dict:
-    environment = dict(os.environ, DEFERFUSE_CACHE_DIR=cache, PYTHONPATH=ROOT, **env)
+    environment = dict(os.environ, DEFERFUSE_CACHE_DIR=cache, PYTHONPATH=ROOT,
+                       DEFERFUSE_HOST_KERNEL_MIN_FLOPS="0", **env)
     done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
                           env=environment, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -389,3 +399,153 @@ def test_the_zoos_products_give_stricts_bits(name):
         for g, e in zip(got, expected):
             if isinstance(e, torch.Tensor):
                 assert torch.equal(g, e), f"{name}: {func} on {[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}"
+
+
+# -- routing by size (host_kernel_min_flops) ------------------------------------------------------
+
+MIN_FLOPS = config.settings()["host_kernel_min_flops"].default
+
+
+def _routed(fn, *args, **settings):
+    """(the result, the host kernels' custom calls in its program, host_kernel_products): one
+    block compiled now (no executable from an earlier test in memory), with ``settings``."""
+    executables.clear()
+    deferfuse.reset_stats()
+    with config.override(cache_dir="", always_compile=True, **settings):
+        with deferfuse.defer():
+            out = fn(*args)
+        deferfuse.sync(out)
+        text = _custom_calls()
+    calls = [line for line in text.splitlines() if 'custom_call_target="deferfuse_host_' in line]
+    return out, calls, deferfuse.stats()["host_kernel_products"]
+
+
+def _decode_step(x, w1, b1, w2, q, k):
+    """A decode step's products: one row per sequence (8 of them), hidden 256."""
+    h = F.linear(x * 1, w1, b1)                            # addmm 8x256 @ (256x256)^T
+    scores = torch.bmm(q * 1, (k * 1).transpose(1, 2))     # bmm 32 x 1x64 @ 64x16
+    return F.linear(torch.relu(h), w2), scores             # mm 8x256 @ (512x256)^T
+
+
+_CLOSE = {torch.float32: {"rtol": 1e-4, "atol": 1e-3}, torch.bfloat16: {"rtol": 2e-2, "atol": 0.25}}
+
+
+def _decode_operands(dtype=torch.float32):
+    shapes = [(8, 256), (256, 256), (256,), (512, 256), (32, 1, 64), (32, 16, 64)]
+    return [_data(*shape, dtype=dtype, seed=i) for i, shape in enumerate(shapes)]
+
+
+def test_the_default_threshold_lies_between_a_decode_step_and_a_training_step():
+    # the largest product of the decode step above, and the smallest of a small Llama's training
+    # step (batch 8 x 128 tokens, hidden 256; its attention's bmm of 32 heads x 128x64 @ 64x128)
+    assert 2 * 8 * 256 * 512 < MIN_FLOPS <= 2 * 32 * 128 * 64 * 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_small_products_are_xlas_dots(dtype):
+    args = _decode_operands(dtype)
+    expected = _decode_step(*args)
+    out, calls, products = _routed(_decode_step, *args, host_kernel_min_flops=MIN_FLOPS)
+    assert calls == [] and products == 0
+    assert deferfuse.stats()["host_kernel_fallbacks"] == {}    # (a choice, not a failure)
+    for got, want in zip(out, expected):   # (XLA's dot sums in another order: close, not equal)
+        torch.testing.assert_close(got, want, **_CLOSE[dtype])
+
+
+def test_large_products_keep_the_host_kernels_and_stricts_bits():
+    x, w, b = _data(256, 256, dtype=torch.float32), _data(512, 256, dtype=torch.float32, seed=1), \
+        _data(512, dtype=torch.float32, seed=2)
+    fn = lambda x, w, b: F.linear(x * 1, w, b) @ (w * 1)   # noqa: E731 (2 x 67 MFLOP)
+    assert 2 * 256 * 256 * 512 >= MIN_FLOPS
+    out, calls, products = _routed(fn, x, w, b, host_kernel_min_flops=MIN_FLOPS)
+    assert len(calls) == 2 and products == 2
+    assert torch.equal(out, fn(x, w, b))
+
+
+def test_the_setting_moves_the_threshold():
+    args = _decode_operands()
+    expected = _decode_step(*args)
+    # 0: every product on the host kernels, strict's bits
+    out, calls, products = _routed(_decode_step, *args, host_kernel_min_flops=0)
+    assert len(calls) == 3 and products == 3
+    assert all(torch.equal(g, e) for g, e in zip(out, expected))
+    # the threshold counts 2*M*K*N FLOPs, times a bmm's batch: exactly at it, the host kernel
+    for threshold, hosted in ((2 * 8 * 256 * 256, {"addmm", "mm"}), (2 * 8 * 256 * 256 + 1, {"mm"}),
+                              (2 * 8 * 256 * 512 + 1, set()), (2 * 32 * 64 * 16, {"addmm", "mm", "bmm"})):
+        _, calls, _ = _routed(_decode_step, *args, host_kernel_min_flops=threshold)
+        assert {c.split('custom_call_target="deferfuse_host_')[1].split('"')[0] for c in calls} == hosted, threshold
+
+
+def test_flops_count_the_product_and_its_batch():
+    from deferfuse.ir.meta import TensorMeta
+    from deferfuse.lower.registry import LoweringContext
+    aten = torch.ops.aten
+    m = lambda *shape: TensorMeta.of(torch.empty(shape))   # noqa: E731
+    assert host_products.flops(LoweringContext(aten.mm.default, (m(8, 256), m(256, 512)), {}, (m(8, 512),))) \
+        == 2 * 8 * 256 * 512
+    assert host_products.flops(LoweringContext(aten.addmm.default, (m(512), m(8, 256), m(256, 512)), {},
+                                               (m(8, 512),))) == 2 * 8 * 256 * 512
+    assert host_products.flops(LoweringContext(aten.baddbmm.default, (m(4, 8, 1), m(4, 8, 16), m(4, 16, 32)), {},
+                                               (m(4, 8, 32),))) == 2 * 4 * 8 * 16 * 32
+    # a convolution is not routed by size
+    conv = LoweringContext(aten.convolution.default, (m(1, 3, 8, 8), m(4, 3, 3, 3), None), {}, (m(1, 4, 6, 6),))
+    assert host_products.flops(conv) is None and host_products.pays(conv)
+
+
+def test_the_threshold_is_part_of_every_programs_key(tmp_path):
+    """A program compiled under one threshold is not reused under another, from memory or from
+    the disk cache: the setting enters ``config.compile_key()``, hence the signature."""
+    assert config.settings()["host_kernel_min_flops"].affects_compile
+    keys = []
+    for threshold in (0, MIN_FLOPS):
+        with config.override(host_kernel_min_flops=threshold):
+            keys.append(config.compile_key())
+    assert keys[0] != keys[1]
+    args = _decode_operands()
+    executables.clear()
+    deferfuse.reset_stats()
+    with config.override(cache_dir=str(tmp_path), always_compile=True, background_compile=False):
+        for threshold in (MIN_FLOPS, 0, MIN_FLOPS):
+            with config.override(host_kernel_min_flops=threshold):
+                with deferfuse.defer():
+                    out = _decode_step(*args)
+                deferfuse.sync(out)
+            if threshold == 0:
+                assert deferfuse.stats()["host_kernel_products"] == 3     # compiled anew, hosted
+        assert deferfuse.stats()["compiles"] == 2                      # the third run reuses the first's
+        # two entries on disk, one calling the host kernels and one not
+        targets = sorted(any(t.startswith("deferfuse_host_") for t in h["targets"]) for h in _entries(str(tmp_path)))
+        assert targets == [False, True]
+        # a fresh memory: each threshold loads its own entry (XLA's dots sum in another order
+        # than torch's kernel: strict's bits come from the host kernels' entry only)
+        expected = _decode_step(*args)
+        for threshold, stricts_bits in ((0, True), (MIN_FLOPS, False)):
+            executables.clear()
+            hits = diskcache.counts()["hits"]
+            with config.override(host_kernel_min_flops=threshold):
+                with deferfuse.defer():
+                    out = _decode_step(*args)
+                deferfuse.sync(out)
+            assert diskcache.counts()["hits"] == hits + 1
+            assert torch.equal(out[0], expected[0]) == stricts_bits, threshold
+
+
+def test_the_compile_backend_routes_by_size_too():
+    torch._dynamo.reset()
+    args = _decode_operands()
+    expected = _decode_step(*args)
+    for threshold, wanted in ((MIN_FLOPS, 0), (0, 3)):
+        torch._dynamo.reset()
+        executables.clear()
+        deferfuse.reset_stats()
+        compiled = torch.compile(_decode_step, backend="deferfuse",
+                                 options={"host_kernel_min_flops": threshold, "cache_dir": ""})
+        out = compiled(*args)
+        assert deferfuse.stats()["host_kernel_products"] == wanted, threshold
+        assert _custom_calls().count('custom_call_target="deferfuse_host_') == wanted
+        for got, want in zip(out, expected):
+            if wanted:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, **_CLOSE[torch.float32])
+    torch._dynamo.reset()

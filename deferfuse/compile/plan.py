@@ -534,8 +534,6 @@ def _build_program(p: Partition, steps: list, values: dict, slot_meta: dict, gra
     def make_program() -> Program:
         program_steps = []
         for node, lowering, op, outs, ids, args, kwargs in templates:
-            ordered_by = _ordering_operand(op, node, values, slot_meta, outs) \
-                if ordering and not host_products.hosted(op, slot_meta[outs[0]].dtype) else None
             metas = [slot_meta[s] for s in outs]
             if node.target is aten.native_dropout.default:
                 rule, ctx = _CountedRule(_dropout_rule), None
@@ -543,6 +541,8 @@ def _build_program(p: Partition, steps: list, values: dict, slot_meta: dict, gra
                 multi = isinstance(values[node], (tuple, list))
                 rule = _CountedRule(lowering.rule, len(outs) if multi else None)
                 ctx = _context(node, op, values)
+            ordered_by = _ordering_operand(op, node, values, slot_meta, outs) \
+                if ordering and not host_products.hosted(ctx) else None
             program_steps.append(Step(rule, ctx, args, kwargs, ids, metas, None, op, ordered_by))
         return Program(n_inputs, program_steps, out_ids)
 

@@ -255,8 +255,7 @@ def build(nodes: list[Node], outputs: list[Value]):
             else:
                 rule, ctx = node.lowering.lowering.rule, node.lowering.ctx
             outs = tuple(range(first, first + len(node.out_metas)))
-            ordered_by = cost.ordering_operand(node) if ordering and not host_products.hosted(
-                node.op, node.out_metas[0].dtype) else None
+            ordered_by = cost.ordering_operand(node) if ordering and not host_products.hosted(ctx) else None
             steps.append(Step(rule, ctx, args_t, kwargs_t, outs, node.out_metas, node.source, node.op,
                               ordered_by))
         assert len(leaves) == n_inputs and scalar_list == scalars, "argument templates disagree with the signature"

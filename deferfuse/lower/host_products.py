@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from . import dtypes as dtypes_
+from .. import config
 from ..ir.meta import TensorMeta
 from ..native import hostkernels
 from ..stats import STATS
@@ -62,18 +63,45 @@ def takes(op: Any, dtype: torch.dtype) -> bool:
     return op in _TARGETS and dtype in DTYPES
 
 
-def hosted(op: Any, dtype: torch.dtype) -> bool:
-    """Whether a program compiled now lowers ``op`` (results of ``dtype``) to a host kernel.
+_PRODUCTS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default})
+
+
+def flops(ctx: LoweringContext) -> Optional[int]:
+    """The FLOPs of a matrix product (2*M*K*N, times the batch of a bmm), from its operands'
+    shapes; None for a convolution (always hosted: see ``pays``)."""
+    if ctx.op not in _PRODUCTS:
+        return None
+    a, b = ctx.args[:2] if ctx.op in (aten.mm.default, aten.bmm.default) else ctx.args[1:3]
+    return 2 * int(np.prod(a.shape, dtype=np.int64)) * int(b.shape[-1])
+
+
+def pays(ctx: LoweringContext) -> bool:
+    """Whether a product is large enough for the host kernel: at least ``host_kernel_min_flops``
+    FLOPs.  Below that, one call into torch's kernel (and its OpenMP team) costs more than XLA's
+    own dot, which XLA also fuses with its neighbours (docs/performance.md, "Products in the
+    host's kernels").  Shapes alone decide, never a timing: a program's bits do not depend on
+    the machine's state.  Convolutions are always hosted (small ones measured no worse)."""
+    threshold = config.get("host_kernel_min_flops")
+    if threshold <= 0:
+        return True
+    needed = flops(ctx)
+    return needed is None or needed >= threshold
+
+
+def hosted(ctx: Optional[LoweringContext]) -> bool:
+    """Whether a program compiled now lowers this call (None: an internal op) to a host kernel.
     Such a product needs no ``order_compute`` tie: that tie kept XLA's dot's left-hand operand
     row-major, and an optimization barrier on the operand would stop XLA from cancelling the
     transposes that give the handler strict's layout (it copied them instead)."""
-    return takes(op, dtype) and hostkernels.use_on(jax.default_backend())
+    return ctx is not None and bool(ctx.out) and takes(ctx.op, ctx.out[0].dtype) \
+        and hostkernels.use_on(jax.default_backend()) and pays(ctx)
 
 
 def applies(ctx: LoweringContext) -> bool:
-    """Whether this call lowers to a host kernel: an op and dtype the handlers take, a program
-    for the CPU, and the handlers registered (counted when they are not)."""
-    if not ctx.out or not takes(ctx.op, ctx.out[0].dtype):
+    """Whether this call lowers to a host kernel: an op and dtype the handlers take, large
+    enough to pay (``pays``), a program for the CPU, and the handlers registered (counted when
+    they are not)."""
+    if not ctx.out or not takes(ctx.op, ctx.out[0].dtype) or not pays(ctx):
         return False
     platform = jax.default_backend()
     if hostkernels.use_on(platform):
