@@ -12,7 +12,8 @@ three sizes and makes its batches:
   an MLP's inner activation 16 MiB, a layer's attention scores (8 heads x 512 x 512 per
   sequence) 64 MiB, against 1-2 MiB of L2 a core and a 32 MiB L3 shared.  Two layers, not four:
   layers add time, not size, to each op, and with four a ``bench.zoo --size medium`` run would
-  take about twice as long (a 2-layer Llama step is 120 GFLOP of products, 7.6 times small's).
+  take about twice as long (a 2-layer Llama step is 152 GFLOP of matrix products, 8.5 times
+  small's; the zoo's 18 steps together 2.1 TFLOP).
 
 The vision models take ``image`` square images (at medium, ViT's 8-pixel patches make 256
 tokens an image; Swin's 4-pixel patches, 32 x 32, split into its 4 x 4 windows at both stages);
