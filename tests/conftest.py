@@ -101,6 +101,7 @@ SLOW_TESTS = frozenset({
     "tests/test_backend.py::test_user_choice_keeps_async_dispatch[env0]",
     "tests/test_backend.py::test_user_choice_keeps_async_dispatch[env1]",
     "tests/test_backend.py::test_xla_buffers_are_reused_instead_of_faulted_in_afresh",
+    "tests/test_bench_scripts.py::test_compile_bench_shows_each_candidates_mfu",
     "tests/test_bench_scripts.py::test_xla_flags_times_the_jax_step_beside_strict_in_fresh_processes",
     "tests/test_blocks.py::test_a_damaged_remembered_choice_is_ignored",
     "tests/test_blocks.py::test_a_later_process_starts_a_place_from_its_remembered_choice",

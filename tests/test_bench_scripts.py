@@ -56,13 +56,12 @@ def test_a_steps_flops_are_flop_counter_modes_and_mfu_is_flops_over_time_over_pe
     network = llama.make("tiny")
     batch = llama.batch("tiny", torch.Generator().manual_seed(1))
     with torch.no_grad():
-        fused = flops.count(lambda: zoo.loss_of(network, llama, batch))
+        with flops.counter() as counter:
+            zoo.loss_of(network, llama, batch)
         with sdpa_kernel(SDPBackend.MATH):
             unfused = flops.count(lambda: zoo.loss_of(network, llama, batch))
-    assert fused == unfused > 0
-    with flops.counter() as counter:
-        zoo.train_step(network, llama, zoo.optimizer_for(network, llama), batch)
-    assert flops.step_flops(llama, "tiny") == counter.get_total_flops() > fused
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in counter.get_flop_counts()["Global"]
+    assert counter.get_total_flops() == unfused > 0
 
     encoder = zoo.MODELS["encoder-eval"]   # the fused encoder layer: as its unfused path
     network = encoder.make("tiny")
@@ -77,7 +76,6 @@ def test_a_steps_flops_are_flop_counter_modes_and_mfu_is_flops_over_time_over_pe
     assert peak > 0 and harness.peak_gflops(size=256, reps=2) == peak   # measured once
     assert harness.mfu(counted, 0.5, peak) == counted / 0.5 / (peak * 1e9)
     assert harness.mfu(None, 0.5, peak) is None and harness.mfu(counted, None, peak) is None
-    assert "256x256 float32 GEMM" in next(iter(harness.machine_info()["peak_gflops"]))
 
 
 def test_compile_bench_shows_each_candidates_mfu(capsys):
