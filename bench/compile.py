@@ -1,6 +1,7 @@
 """torch.compile(backend="deferfuse") against strict and torch.compile's Inductor on the zoo's steps.
 
-``python -m bench.compile [--model llama] [--size small] [--steps 12]`` (``make bench-compile``)
+``python -m bench.compile [--model llama] [--size tiny|small|medium] [--steps 12]``
+(``make bench-compile``)
 runs each candidate in a fresh process, so that its first step pays what a user's first step
 pays (Dynamo's tracing, AOTAutograd, the compiler) and no candidate warms another's caches:
 
@@ -22,7 +23,11 @@ pays (Dynamo's tracing, AOTAutograd, the compiler) and no candidate warms anothe
 The model's forward and backward are compiled; AdamW runs eagerly (one step is the zoo's
 ``train_step``: forward, backward, AdamW, zero_grad).  Each child prints its first step's wall
 time, the median of the steps after ``--warmup`` more, and its losses; the table gives each
-candidate's steady-state speed relative to strict (strict's median / its median).
+candidate's steady-state speed relative to strict (strict's median / its median) and its model
+FLOPs utilization (MFU: the step's matrix FLOPs, counted once in this process over one strict
+step with torch's FlopCounterMode, bench/flops.py, over the candidate's median step time, as a
+fraction of the machine's peak, the best of a few 2048^3 float32 GEMMs on torch's threads,
+bench/harness.py's peak_gflops, printed above the table).
 """
 
 from __future__ import annotations
@@ -145,6 +150,21 @@ def child(candidate: str, model_name: str, size: str, steps: int, warmup: int) -
     return out
 
 
+def step_flops_and_peak(model_name: str, size: str) -> tuple[int, float]:
+    """The MFU column's numerator (one strict step's matrix FLOPs, counted in this process, not
+    in a candidate's) and its peak (GFLOP/s)."""
+    from bench import flops
+    from bench import zoo_models as zoo
+    from bench.harness import peak_gflops
+    return flops.step_flops(zoo.MODELS[model_name], size), peak_gflops()
+
+
+def _mfu_percent(step_flops: int | None, seconds: float, peak: float) -> str:
+    from bench.harness import mfu
+    value = mfu(step_flops, seconds, peak)
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
 def run_child(candidate: str, args: argparse.Namespace, cache: str) -> dict:
     env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
     command = [sys.executable, "-m", "bench.compile", "--child", candidate, "--model", args.model,
@@ -155,16 +175,21 @@ def run_child(candidate: str, args: argparse.Namespace, cache: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench.zoo_models import SIZES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama")
-    parser.add_argument("--size", default="small")
+    parser.add_argument("--size", default="small", choices=SIZES)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps after the first left out of the median")
     parser.add_argument("--only", default=",".join(CANDIDATES))
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.model, args.size, args.steps, args.warmup)))
         return 0
@@ -173,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     results = [run_child(c, args, tempfile.mkdtemp(prefix="deferfuse-bench-compile-")
                          if c == "side-by-side" else cache) for c in args.only.split(",")]
     strict = next((r for r in results if r["candidate"] == "strict" and "error" not in r), None)
-    print(f"{args.model} ({args.size}) training step, {args.steps} steps, median after {1 + args.warmup}")
-    print(f"{'candidate':<18}{'first step s':>14}{'steady ms':>12}{'vs strict':>11}")
+    step_flops, peak = step_flops_and_peak(args.model, args.size)
+    print(f"{args.model} ({args.size}) training step, {args.steps} steps, median after {1 + args.warmup}; "
+          f"{step_flops / 1e9:.2f} GFLOP of matrix products a step; peak {peak:.1f} GFLOP/s "
+          f"(2048^3 float32 GEMM)")
+    print(f"{'candidate':<18}{'first step s':>14}{'steady ms':>12}{'vs strict':>11}{'MFU %':>8}")
     for r in results:
         if "error" in r:
             print(f"{r['candidate']:<18} failed: {r['error']}")
@@ -183,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ratio = f"{strict['steady_s'] / r['steady_s']:.2f}x" if strict else "-"
         print(f"{r['candidate']:<18}{r['first_s']:>14.2f}{r['steady_s'] * 1e3:>12.1f}{ratio:>11}"
+              f"{_mfu_percent(step_flops, r['steady_s'], peak):>8}"
               + (f"   {r['stats']}" if "stats" in r else ""))
     for r in results:
         if "medians" in r:
@@ -191,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"defer {m['defer'] * 1e3:.1f} ms ({m['strict'] / m['defer']:.2f}x), "
                   f"inductor {m['inductor'] * 1e3:.1f} ms ({m['strict'] / m['inductor']:.2f}x), deferfuse "
                   f"{m['deferfuse'] * 1e3:.1f} ms ({m['strict'] / m['deferfuse']:.2f}x strict, "
-                  f"{m['inductor'] / m['deferfuse']:.2f}x inductor)")
+                  f"{m['inductor'] / m['deferfuse']:.2f}x inductor); MFU % "
+                  + ", ".join(f"{name} {_mfu_percent(step_flops, m[name], peak)}" for name in m))
     for r in results:
         for row, m in r.get("rows", {}).items():
             print(f"{row}: strict {m['strict'] * 1e3:.2f} ms, inductor {m['inductor'] * 1e3:.2f} ms "

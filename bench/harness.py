@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import random
@@ -291,6 +292,38 @@ def _warm_up(candidate: Candidate, timing: Timing, budget: Budget) -> None:
         timing.warmup_calls += 1
 
 
+PEAK_GEMM_SIZE, PEAK_GEMM_REPS = 2048, 5
+_peaks: dict[tuple[int, int], float] = {}
+
+
+def peak_gflops(size: int = PEAK_GEMM_SIZE, reps: int = PEAK_GEMM_REPS) -> float:
+    """The machine's peak for the MFU columns: a float32 ``size`` x ``size`` GEMM on the threads
+    torch uses, its best of ``reps`` timed calls after one untimed, in GFLOP/s.  Measured once
+    per process (and thread count); a busy machine lowers it, as it lowers the steps' times."""
+    key = (size, torch.get_num_threads())
+    if key not in _peaks:
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(size, size, generator=generator)
+        b = torch.randn(size, size, generator=generator)
+        out = torch.empty(size, size)
+        torch.mm(a, b, out=out)
+        best = math.inf
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - start)
+        _peaks[key] = 2 * size ** 3 / best / 1e9
+    return _peaks[key]
+
+
+def mfu(flops: float | None, seconds: float | None, peak: float | None) -> float | None:
+    """Model FLOPs utilization: a step's matrix FLOPs (bench/flops.py) over its time, as a
+    fraction of ``peak`` GFLOP/s (peak_gflops); None when a part is missing."""
+    if not flops or not seconds or not peak:
+        return None
+    return flops / seconds / (peak * 1e9)
+
+
 def _cpu_model() -> dict[str, Any]:
     """The CPU's model name and vector extensions (Linux): which BLAS path torch takes and how
     fast XLA's dots are differ by vendor and ISA (MKL's sgemm on an AMD EPYC with AVX-512 ran
@@ -325,6 +358,9 @@ def machine_info() -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
     info.update(_cpu_model())
+    if _peaks:
+        info["peak_gflops"] = {f"{size}x{size} float32 GEMM, {threads} threads": round(value, 1)
+                               for (size, threads), value in _peaks.items()}
     if hasattr(os, "sched_getaffinity"):
         info["cpus_usable"] = len(os.sched_getaffinity(0))
     if hasattr(os, "getloadavg"):

@@ -1,8 +1,8 @@
 """Training loops that log every N steps: strict against defer mode as users run it.
 
     python -m bench.loops [--models mlp,llama,gpt2|all] [--periods 1,10,50,0] [--rounds 3]
-                          [--steps mlp=400,llama=100,gpt2=100] [--size small] [--long 4000]
-                          [--lengths 24] [--deterministic]
+                          [--steps mlp=400,llama=100,gpt2=100] [--size tiny|small|medium]
+                          [--long 4000] [--lengths 24] [--deterministic]
 
 Each cell runs ``corpus/train_logging.py`` in a fresh process: strict (plain ``python``) and
 defer (``python -m deferfuse --mode defer``, every setting at its default, a fresh disk-cache
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import RESULTS_DIR, machine_info
+from bench.zoo_models import SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "corpus" / "train_logging.py"
@@ -152,18 +153,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,llama,gpt2")
     parser.add_argument("--periods", default="1,10,50,0")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", default="", help="e.g. mlp=400,llama=100")
-    parser.add_argument("--size", default="small")
+    parser.add_argument("--size", default="small", choices=SIZES, help="the zoo models' size")
     parser.add_argument("--long", type=int, default=0, help="also run the MLP this many steps")
     parser.add_argument("--lengths", type=int, default=0, help="language models' batches take this many lengths")
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     parser.add_argument("--name", default="loops")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     steps = dict(DEFAULT_STEPS)
     for part in filter(None, args.steps.split(",")):
         name, value = part.split("=")

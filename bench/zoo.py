@@ -3,6 +3,7 @@
     python -m bench.zoo                          # every model, size small, 24 steps
     python -m bench.zoo --size tiny --only llama,gpt2,resnet --steps 4 --quick
     python -m bench.zoo --memory                 # and peak memory, one process per candidate
+    python -m bench.zoo --size medium            # activations past the CPU caches (zoo_models.py)
 
 Candidates (bench/zoo_models.py builds the models; each candidate has its own copy, built with
 the same seed, its own optimizer and its own batch generator, so step k sees equal weights and
@@ -28,9 +29,13 @@ Per model:
 
 Reported: whether every step's loss is strict's (relative difference <= 1e-4) and whether the
 generated ids are, the steady-state time (median of the last 10 steps; of the timed calls for
-generation), the speed-up over strict, the warm-up cost (the sum over all calls of the call's
-time minus the steady median), and the ops that fell back to eager torch, counted over that
-candidate's calls only.  Results: ``bench/results/zoo.json`` and ``zoo.png`` beside it.
+generation), the speed-up over strict, the model FLOPs utilization (MFU: the matrix FLOPs of
+one call, counted once per model over a strict call with torch's FlopCounterMode, bench/flops.py,
+divided by the candidate's steady time and by the machine's peak, the best of a few 2048^3
+float32 GEMMs on torch's threads, harness.peak_gflops, recorded in the JSON's machine info), the
+warm-up cost (the sum over all calls of the call's time minus the steady median), and the ops
+that fell back to eager torch, counted over that candidate's calls only.  Results:
+``bench/results/zoo.json`` and ``zoo.png`` beside it.
 
 Sharing one process has costs a user running one candidate never sees: defer and deferred
 record the same graphs, so whichever reaches a graph first compiles it and the other finds it
@@ -62,9 +67,10 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from bench import flops
 from bench import zoo_models as zoo
-from bench.harness import (GC_EVERY, RESULTS_DIR, busy_machine_warning, machine_info,
-                           private_executable_cache, short_reason)
+from bench.harness import (GC_EVERY, PEAK_GEMM_SIZE, RESULTS_DIR, busy_machine_warning, machine_info,
+                           mfu, peak_gflops, private_executable_cache, short_reason)
 
 CANDIDATES = ("strict", "defer", "deferred")
 REFERENCE = "strict"
@@ -134,6 +140,7 @@ class CandidateRun:
     steady_ms: float | None = None
     warmup_s: float | None = None
     speedup: float | None = None
+    mfu: float | None = None        # the measurement's FLOPs per call / steady time / peak
     equal: bool | None = None
     max_rel_diff: float | None = None
     # set where the losses differ by more than LOSS_RTOL but stay within strict's own
@@ -147,7 +154,8 @@ class CandidateRun:
     def as_dict(self, with_values: bool) -> dict[str, Any]:
         out = {"error": self.error, "equal": self.equal, "max_rel_diff": self.max_rel_diff,
                "sensitivity_ratio": self.sensitivity_ratio,
-               "steady_ms": self.steady_ms, "speedup": self.speedup, "warmup_s": self.warmup_s,
+               "steady_ms": self.steady_ms, "speedup": self.speedup, "mfu": self.mfu,
+               "warmup_s": self.warmup_s,
                "fallbacks": dict(self.fallbacks.most_common()), "compiles": self.compiles,
                "compile_wait_s": self.compile_wait_s,
                "call_ms": [s * 1e3 for s in self.seconds]}
@@ -164,6 +172,9 @@ class Measurement:
     steady_from: int                # calls from this index on are the steady state
     runs: dict[str, CandidateRun]
     tokens: int | None = None       # generation: new tokens per call
+    flops: int | None = None        # matrix FLOPs of one call, counted on strict (bench/flops.py)
+    peak_gflops: float | None = None
+    flops_error: str | None = None  # why the FLOPs could not be counted
 
     def summarize(self) -> None:
         reference = self.runs.get(REFERENCE)
@@ -173,6 +184,7 @@ class Measurement:
                 median = statistics.median(steady)
                 run.steady_ms = median * 1e3
                 run.warmup_s = sum(s - median for s in run.seconds) + run.compile_wait_s
+                run.mfu = mfu(self.flops, median, self.peak_gflops)
             if run is reference or reference is None:
                 continue
             run.equal, run.max_rel_diff = _agreement(reference.values, run.values)
@@ -190,7 +202,8 @@ class Measurement:
     def as_dict(self) -> dict[str, Any]:
         calls = max(len(r.seconds) for r in self.runs.values())
         out: dict[str, Any] = {"what": self.what, "calls": calls,
-                               "steady_calls_from": self.steady_from}
+                               "steady_calls_from": self.steady_from, "flops_per_call": self.flops,
+                               "flops_error": self.flops_error}
         if self.tokens is not None:
             out["new_tokens"] = self.tokens
         candidates = {}
@@ -355,6 +368,7 @@ class Plan:
     generate_calls: int
     tokens: int
     candidates: tuple[str, ...] = CANDIDATES
+    peak_gflops: float | None = None    # the MFU columns' peak (harness.peak_gflops)
 
 
 def build_lanes(make: Callable[[str], Lane], candidates: tuple[str, ...]) -> list[Lane]:
@@ -374,11 +388,20 @@ def build_lanes(make: Callable[[str], Lane], candidates: tuple[str, ...]) -> lis
     return lanes
 
 
-def measure(lanes: list[Lane], calls: int, what: str, steady_from: int,
-            tokens: int | None = None) -> Measurement:
+def measure(lanes: list[Lane], calls: int, what: str, steady_from: int, plan: Plan,
+            count: Callable[[], int], tokens: int | None = None) -> Measurement:
+    """``count()``: the matrix FLOPs of one call, counted once, strict, before the rounds (a
+    failure to count leaves the MFU columns empty, with its reason in the notes)."""
+    call_flops, flops_error = None, None
+    try:
+        call_flops = count()
+    except Exception as exc:
+        if _VERBOSE:
+            traceback.print_exc()
+        flops_error = short_reason(exc)
     interleave([lane for lane in lanes if lane.run.error is None], calls)
     measurement = Measurement(what, steady_from, {lane.run.candidate: lane.run for lane in lanes},
-                              tokens)
+                              tokens, call_flops, plan.peak_gflops, flops_error)
     measurement.summarize()
     return measurement
 
@@ -388,16 +411,21 @@ def measure_model(model: zoo.ZooModel, plan: Plan) -> ModelResult:
     _forget_block_choices()
     try:
         lanes = build_lanes(lambda c: training_lane(model, plan.size, c), plan.candidates)
-        result.training = measure(lanes, plan.steps, "training" if model.trains else "inference",
-                                  steady_from=max(0, plan.steps - STEADY_STEPS))
+        result.training = measure(
+            lanes, plan.steps, "training" if model.trains else "inference",
+            steady_from=max(0, plan.steps - STEADY_STEPS), plan=plan,
+            count=lambda: flops.step_flops(model, plan.size, MODEL_SEED, BATCH_SEED))
         if model.trains:
             _judge_by_sensitivity(model, plan, result.training)
         if model.generates:
             calls = plan.generate_warmup + plan.generate_calls
             lanes = build_lanes(lambda c: generation_lane(model, plan.size, c, plan.tokens),
                                 plan.candidates)
-            result.generation = measure(lanes, calls, "generation",
-                                        steady_from=plan.generate_warmup, tokens=plan.tokens)
+            result.generation = measure(
+                lanes, calls, "generation", steady_from=plan.generate_warmup, plan=plan,
+                count=lambda: flops.generate_flops(model, plan.size, plan.tokens, MODEL_SEED,
+                                                   PROMPT_SEED),
+                tokens=plan.tokens)
     except Exception as exc:
         if _VERBOSE:
             traceback.print_exc()
@@ -525,8 +553,8 @@ def _attr(measurement: Measurement | None, candidate: str, name: str) -> Any:
 
 def table(results: list[ModelResult], with_memory: bool) -> str:
     header = ["model", "equal d/dd", "fallbacks d/dd", "strict ms", "defer x", "deferred x",
-              "defer warm-up s", "deferred warm-up s", "gen equal d/dd", "strict tok/s",
-              "gen defer x", "gen deferred x"]
+              "MFU % s/d/dd", "defer warm-up s", "deferred warm-up s", "gen equal d/dd",
+              "strict tok/s", "gen defer x", "gen deferred x", "gen MFU % s/d/dd"]
     if with_memory:
         header += ["peak MiB s/d/dd"]
     rows = [header]
@@ -536,11 +564,11 @@ def table(results: list[ModelResult], with_memory: bool) -> str:
         row = [r.name + ("" if r.kind != "torch-eval" else " (eval)"),
                _equal_cell(t), _fallback_cell(t),
                "-" if strict_ms is None else f"{strict_ms:.1f}",
-               _x(_attr(t, "defer", "speedup")), _x(_attr(t, "deferred", "speedup")),
+               _x(_attr(t, "defer", "speedup")), _x(_attr(t, "deferred", "speedup")), _mfu_cell(t),
                _seconds(_attr(t, "defer", "warmup_s")), _seconds(_attr(t, "deferred", "warmup_s")),
                _equal_cell(g), "-" if g is None or g.tokens_per_s(REFERENCE) is None
                else f"{g.tokens_per_s(REFERENCE):.0f}",
-               _x(_attr(g, "defer", "speedup")), _x(_attr(g, "deferred", "speedup"))]
+               _x(_attr(g, "defer", "speedup")), _x(_attr(g, "deferred", "speedup")), _mfu_cell(g)]
         if with_memory:
             row.append("/".join(_mib(r.memory_mib, c) for c in CANDIDATES))
         rows.append(row)
@@ -549,6 +577,20 @@ def table(results: list[ModelResult], with_memory: bool) -> str:
              for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+def _mfu_cell(measurement: Measurement | None) -> str:
+    """Each candidate's MFU in percent, strict/defer/deferred."""
+    if measurement is None:
+        return "-"
+    return "/".join(_percent(_attr(measurement, c, "mfu")) for c in CANDIDATES)
+
+
+def _percent(fraction: float | None) -> str:
+    if fraction is None:
+        return "-"
+    percent = 100 * fraction
+    return f"{percent:.1f}" if percent >= 0.95 else f"{percent:.2g}"
 
 
 def _seconds(value: float | None) -> str:
@@ -569,6 +611,9 @@ def notes(results: list[ModelResult]) -> list[str]:
         for measurement in (r.training, r.generation):
             if measurement is None:
                 continue
+            if measurement.flops_error:
+                lines.append(f"{r.name} {measurement.what}: FLOPs not counted (no MFU): "
+                             f"{measurement.flops_error}")
             for run in measurement.runs.values():
                 where = f"{r.name} {measurement.what} {run.candidate}"
                 if run.error and run.candidate != REFERENCE:
@@ -744,12 +789,14 @@ def run_child(model_name: str, candidate: str, size: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, child_env: dict[str, str]) -> int:
-    plan = make_plan(args)
     models = selected_models(args.only)
     busy = busy_machine_warning()
     if busy:
         print(busy)
     started = time.perf_counter()
+    plan = dataclasses.replace(make_plan(args), peak_gflops=peak_gflops())
+    print(f"peak for MFU: {plan.peak_gflops:.1f} GFLOP/s ({PEAK_GEMM_SIZE}^3 float32 GEMM, "
+          f"{torch.get_num_threads()} threads)")
     print(f"zoo, size {plan.size}: {len(models)} models, {plan.steps} steps; generation "
           f"{plan.generate_warmup} warm-up + {plan.generate_calls} timed calls of {plan.tokens} "
           f"tokens; candidates {', '.join(plan.candidates)}", flush=True)

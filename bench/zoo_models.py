@@ -1,12 +1,27 @@
 """The model zoo: real client models, built from configs at random init (nothing downloaded).
 
 Each ``ZooModel`` builds a model of Hugging Face ``transformers`` (or of ``torch.nn``) at one of
-two sizes and makes its batches:
+three sizes and makes its batches:
 
 - ``tiny``: 2 layers, 64 wide, batch 2 x 16 tokens (images 2 x 3 x 32 x 32): what the test
   suite runs (tests/test_zoo.py checks equality with strict and zero fallbacks);
 - ``small``: 4 layers, 256 wide, batch 8 x 128 tokens (images 8 x 3 x 64 x 64): what
-  ``make bench-zoo`` times (bench/zoo.py).
+  ``make bench-zoo`` times (bench/zoo.py); one activation is 1 MiB, within a core's caches;
+- ``medium``: 2 layers, 512 wide, 8 heads, batch 8 x 512 tokens (images 8 x 3 x 128 x 128):
+  where activations go past the CPU caches, so that fusion can pay: a hidden state is 8 MiB,
+  an MLP's inner activation 16 MiB, a layer's attention scores (8 heads x 512 x 512 per
+  sequence) 64 MiB, against 1-2 MiB of L2 a core and a 32 MiB L3 shared.  Two layers, not four:
+  layers add time, not size, to each op, and with four a ``bench.zoo --size medium`` run would
+  take about twice as long (a 2-layer Llama step is 152 GFLOP of matrix products, 8.5 times
+  small's; the zoo's 18 steps together 2.1 TFLOP).
+
+The vision models take ``image`` square images (at medium, ViT's 8-pixel patches make 256
+tokens an image; Swin's 4-pixel patches, 32 x 32, split into its 4 x 4 windows at both stages);
+the CNNs' two stages are ``hidden`` / 4 and / 2 wide, ``layers`` / 2 blocks deep (at least 1).
+The recurrent models (lstm, gru) step through ``sequence`` time steps, which stays 128 at
+medium: their steps run one after another, and the deferred GRU's program grows with them.
+Sequence-to-sequence targets are half the inputs' length; ``generate()`` starts from a prompt of
+a quarter of it.
 
 Configs keep each model's own defaults (dropout included) except the sizes; the vocabulary is
 small (1024 tokens, 128 tiny) so that the embedding and the LM head do not swamp the layers.
@@ -23,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "medium")
 GENERATE_TOKENS = 32
 
 
@@ -36,11 +51,19 @@ class Dims:
     tokens: int
     image: int
     vocab: int
+    sequence: int       # time steps of the recurrent models (lstm, gru)
+
+    @property
+    def positions(self) -> int:
+        """Learned position tables: 512, or what the batch needs (RoBERTa's start past the
+        padding index, at 2)."""
+        return max(512, self.tokens + 2)
 
 
 DIMS = {
-    "tiny": Dims(layers=2, hidden=64, heads=4, batch=2, tokens=16, image=32, vocab=128),
-    "small": Dims(layers=4, hidden=256, heads=4, batch=8, tokens=128, image=64, vocab=1024),
+    "tiny": Dims(layers=2, hidden=64, heads=4, batch=2, tokens=16, image=32, vocab=128, sequence=16),
+    "small": Dims(layers=4, hidden=256, heads=4, batch=8, tokens=128, image=64, vocab=1024, sequence=128),
+    "medium": Dims(layers=2, hidden=512, heads=8, batch=8, tokens=512, image=128, vocab=1024, sequence=128),
 }
 
 
@@ -72,7 +95,8 @@ class ZooModel:
             return dict(pixel_values=torch.randn(d.batch, 3, d.image, d.image, generator=generator),
                         labels=torch.randint(0, 10, (d.batch,), generator=generator))
         if self.kind in ("torch", "torch-eval"):
-            return dict(x=torch.randn(d.batch, d.tokens, d.hidden, generator=generator))
+            length = d.sequence if self.kind == "torch" else d.tokens
+            return dict(x=torch.randn(d.batch, length, d.hidden, generator=generator))
         ids = torch.randint(0, d.vocab, (d.batch, d.tokens), generator=generator)
         if self.kind == "seq2seq":
             return dict(input_ids=ids, labels=torch.randint(0, d.vocab, (d.batch, d.tokens // 2), generator=generator))
@@ -105,7 +129,7 @@ def _decoder(config: str, model: str, **extra: Any) -> Callable[[Dims], torch.nn
         t = _t()
         cfg = getattr(t, config)(vocab_size=d.vocab, hidden_size=d.hidden, intermediate_size=2 * d.hidden,
                                  num_hidden_layers=d.layers, num_attention_heads=d.heads,
-                                 max_position_embeddings=512, **extra)
+                                 max_position_embeddings=d.positions, **extra)
         return getattr(t, model)(cfg)
     return build
 
@@ -113,7 +137,7 @@ def _decoder(config: str, model: str, **extra: Any) -> Callable[[Dims], torch.nn
 def _gpt2(d: Dims) -> torch.nn.Module:
     t = _t()
     return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=d.vocab, n_embd=d.hidden, n_layer=d.layers, n_head=d.heads,
-                                          n_positions=512, bos_token_id=0, eos_token_id=0))
+                                          n_positions=d.positions, bos_token_id=0, eos_token_id=0))
 
 
 def _encoder(config: str, model: str) -> Callable[[Dims], torch.nn.Module]:
@@ -121,7 +145,7 @@ def _encoder(config: str, model: str) -> Callable[[Dims], torch.nn.Module]:
         t = _t()
         cfg = getattr(t, config)(vocab_size=d.vocab, hidden_size=d.hidden, num_hidden_layers=d.layers,
                                  num_attention_heads=d.heads, intermediate_size=2 * d.hidden,
-                                 max_position_embeddings=512, pad_token_id=0)
+                                 max_position_embeddings=d.positions, pad_token_id=0)
         return getattr(t, model)(cfg)
     return build
 
@@ -138,7 +162,7 @@ def _bart(d: Dims) -> torch.nn.Module:
     return t.BartForConditionalGeneration(t.BartConfig(
         vocab_size=d.vocab, d_model=d.hidden, encoder_layers=d.layers, decoder_layers=d.layers,
         encoder_attention_heads=d.heads, decoder_attention_heads=d.heads, encoder_ffn_dim=2 * d.hidden,
-        decoder_ffn_dim=2 * d.hidden, max_position_embeddings=512, pad_token_id=1, bos_token_id=0,
+        decoder_ffn_dim=2 * d.hidden, max_position_embeddings=d.positions, pad_token_id=1, bos_token_id=0,
         eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None))
 
 

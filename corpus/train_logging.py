@@ -1,7 +1,7 @@
 """A training loop that logs its loss every N steps, the way most scripts do.
 
     python corpus/train_logging.py [--model mlp|llama|gpt2|...] [--period N] [--steps S]
-                                   [--size tiny|small] [--lengths L] [--deterministic]
+                                   [--size tiny|small|medium] [--lengths L] [--deterministic]
                                    [--report PATH]
 
 ``--period 0`` reads the loss only at the end.  The model is the 64 -> 256 -> 256 -> 1 MLP
@@ -48,17 +48,22 @@ def build(name: str, size: str, lengths: int = 0):
     return model, lambda step: zoo.loss_of(model, spec, batches[step % len(batches)])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench.zoo_models import SIZES
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--period", type=int, default=50)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--size", default="small")
+    parser.add_argument("--size", default="small", choices=SIZES, help="a zoo model's size")
     parser.add_argument("--lengths", type=int, default=0, help="a language model's batches take this many lengths")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True) first, as a reproducible run does")
     parser.add_argument("--report")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)

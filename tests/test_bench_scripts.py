@@ -57,3 +57,64 @@ def test_generate_times_compiled_generate_beside_strict_and_checks_its_tokens(tm
     assert 1 <= ours["first_call_counts"]["compiled_graphs"] <= 3
     assert row["counts_while_timed"]["compiled_specializations"] == 0
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_a_steps_flops_are_flop_counter_modes_and_mfu_is_flops_over_time_over_peak():
+    """bench/flops.py counts a tiny zoo step as FlopCounterMode does (with its formulas for the
+    CPU kernels torch's counter lacks), and harness.mfu is that count over the time, as a
+    fraction of the peak."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench import flops, harness
+    from bench import zoo_models as zoo
+    bert = zoo.MODELS["bert"]   # mm, addmm and bmm only: torch's counter alone
+    network = bert.make("tiny")
+    batch = bert.batch("tiny", torch.Generator().manual_seed(1))
+    with FlopCounterMode(display=False) as counter:
+        zoo.train_step(network, bert, zoo.optimizer_for(network, bert), batch)
+    counted = flops.step_flops(bert, "tiny")
+    assert counted == counter.get_total_flops() > 0
+
+    llama = zoo.MODELS["llama"]   # SDPA's CPU flash kernel: counted as its math path's products
+    network = llama.make("tiny")
+    batch = llama.batch("tiny", torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with flops.counter() as counter:
+            zoo.loss_of(network, llama, batch)
+        with sdpa_kernel(SDPBackend.MATH):
+            unfused = flops.count(lambda: zoo.loss_of(network, llama, batch))
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in counter.get_flop_counts()["Global"]
+    assert counter.get_total_flops() == unfused > 0
+
+    encoder = zoo.MODELS["encoder-eval"]   # the fused encoder layer: as its unfused path
+    network = encoder.make("tiny")
+    x = encoder.batch("tiny", torch.Generator().manual_seed(1))["x"]
+    with torch.no_grad():
+        fast_path = flops.count(lambda: network(x))
+        network.train()   # (no fast path in training mode)
+        slow_path = flops.count(lambda: network(x))
+    assert fast_path == slow_path == flops.step_flops(encoder, "tiny") > 0
+
+    peak = harness.peak_gflops(size=256, reps=2)
+    assert peak > 0 and harness.peak_gflops(size=256, reps=2) == peak   # measured once
+    assert harness.mfu(counted, 0.5, peak) == counted / 0.5 / (peak * 1e9)
+    assert harness.mfu(None, 0.5, peak) is None and harness.mfu(counted, None, peak) is None
+
+
+def test_compile_bench_shows_each_candidates_mfu(capsys):
+    """bench/compile.py's table gains an MFU column (strict alone, tiny, in a child process)."""
+    from bench import compile as compile_bench
+    from bench import flops, harness
+    from bench import zoo_models as zoo
+    assert compile_bench.main(["--model", "gpt2", "--size", "tiny", "--steps", "2", "--warmup", "0",
+                               "--only", "strict"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("candidate"))
+    assert header.split()[-2:] == ["MFU", "%"]
+    row = next(line for line in out.splitlines() if line.startswith("strict"))
+    steady_ms, mfu_percent = float(row.split()[2]), float(row.split()[-1])
+    expected = harness.mfu(flops.step_flops(zoo.MODELS["gpt2"], "tiny"), steady_ms / 1e3,
+                           harness.peak_gflops())
+    assert mfu_percent == pytest.approx(100 * expected, abs=0.06)

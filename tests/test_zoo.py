@@ -87,3 +87,31 @@ def test_llama_under_the_default_mode_with_the_default_settings(user_defaults):
         deferfuse.set_mode("strict")
     assert_same_run(expected, actual)
     assert [c for c in blocks.choices() if "reads starting segments" in c.place]
+
+
+def test_medium_is_larger_than_small_and_every_bench_accepts_it():
+    """``medium`` (activations past the CPU caches) is wider and longer than ``small`` and is
+    a choice of every bench that takes a size; its models build (on the meta device: nothing is
+    trained at medium here) and its batches fit their position tables."""
+    from bench import compile as compile_bench
+    from bench import loops
+    from bench import zoo as zoo_bench
+    from corpus import train_logging
+    assert zoo.SIZES.index("medium") > zoo.SIZES.index("small")
+    small, medium = zoo.DIMS["small"], zoo.DIMS["medium"]
+    assert medium.hidden > small.hidden and medium.tokens > small.tokens and medium.image > small.image
+    assert medium.batch * medium.tokens * medium.hidden > 4 * small.batch * small.tokens * small.hidden
+    assert zoo_bench.parse_args(["--size", "medium"]).size == "medium"
+    assert compile_bench.parse_args(["--size", "medium"]).size == "medium"
+    assert loops.parse_args(["--size", "medium"]).size == "medium"
+    assert train_logging.parse_args(["--size", "medium"]).size == "medium"
+    with pytest.raises(SystemExit):
+        zoo_bench.parse_args(["--size", "huge"])
+    for model in zoo.MODELS.values():
+        with torch.device("meta"):
+            network = model.make("medium")
+        batch = model.batch("medium", torch.Generator().manual_seed(1))
+        if "input_ids" in batch:
+            assert batch["input_ids"].shape == (medium.batch, medium.tokens)
+            assert medium.positions >= medium.tokens + 2
+        assert sum(p.numel() for p in network.parameters()) > 0, model.name

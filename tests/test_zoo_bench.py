@@ -10,14 +10,17 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from bench import zoo as zoo_bench  # noqa: E402  (the repository root is on sys.path under pytest)
+from bench import flops  # noqa: E402  (the repository root is on sys.path under pytest)
+from bench import zoo as zoo_bench  # noqa: E402
+from bench import zoo_models as zoo  # noqa: E402
 
 
 def test_zoo_bench_writes_equal_results_and_a_chart(tmp_path, capsys):
     path = tmp_path / "zoo.json"
     assert zoo_bench.main(["--size", "tiny", "--only", "gpt2,resnet", "--steps", "3", "--quick",
                            "--json", str(path)]) == 0
-    assert "| gpt2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| gpt2" in out and "MFU % s/d/dd" in out and "gen MFU % s/d/dd" in out
 
     results = json.loads(path.read_text())
     assert set(results["models"]) == {"gpt2", "resnet"}
@@ -34,6 +37,22 @@ def test_zoo_bench_writes_equal_results_and_a_chart(tmp_path, capsys):
     assert results["models"]["resnet"]["generation"] is None
     assert results["machine"]["torch"]
     assert path.with_suffix(".png").is_file()
+
+    # MFU: the step's FLOPs (one strict step, counted once) over each candidate's steady time,
+    # against the peak recorded in the machine info
+    peak = results["plan"]["peak_gflops"]
+    assert list(results["machine"]["peak_gflops"].values()) == [pytest.approx(peak, abs=0.05)]
+    for name, model in results["models"].items():
+        for what in ("training", "generation"):
+            measurement = model[what]
+            if measurement is None:
+                continue
+            counted = (flops.step_flops(zoo.MODELS[name], "tiny") if what == "training" else
+                       flops.generate_flops(zoo.MODELS[name], "tiny", zoo_bench.QUICK_TOKENS))
+            assert measurement["flops_per_call"] == counted > 0
+            for candidate, run in measurement["candidates"].items():
+                assert run["mfu"] == pytest.approx(counted / (run["steady_ms"] / 1e3) / (peak * 1e9)), \
+                    (name, what, candidate)
 
 
 
