@@ -139,3 +139,12 @@ def test_probing_the_kernel_does_not_draw_from_the_users_generator():
         actual = [torch.bernoulli(x), torch.rand(3)]
     for e, a in zip(expected, actual):
         assert torch.equal(e, a.clone()) and e.stride() == a.stride()
+
+
+@pytest.mark.parametrize("name", ["2-D", "transposed", "3-D", "one", "none", "1-D", "0-dim"])
+def test_nonzero_is_column_major_as_the_cpu_kernel_makes_it(name):
+    # (recorded as nonzero_static once the count is known, whose result is row-major)
+    x = {"2-D": torch.tensor([[4.0, -4.0], [0.0, 1.0]]), "transposed": seeded_randn(3, 4).t() > 0,
+         "3-D": seeded_randn(2, 3, 4) > 0, "one": torch.tensor([[0.0, 2.0]]), "none": torch.zeros(2, 3),
+         "1-D": seeded_randn(5) > 0, "0-dim": torch.tensor(3.0)}[name]
+    _same_layout(lambda x: [torch.nonzero(x), torch.argwhere(x)], x)
