@@ -118,6 +118,12 @@ def long_run(steps: int, size: str) -> dict[str, Any]:
     return out
 
 
+def _ratio(a: float, b: float) -> str:
+    """``a / b`` as a speed ratio, or "-" where ``b`` timed nothing (a loop of 14 steps or fewer
+    has no time from step 15 on)."""
+    return f"{a / b:.2f}x" if b > 0 else "-"
+
+
 def _period(p: int) -> str:
     return "end" if p == 0 else str(p)
 
@@ -129,8 +135,8 @@ def line(row: dict[str, Any]) -> str:
             f"(first 100 {d['first100_s']:6.2f}) {d['peak_rss_mib']:6.0f} MiB, {d.get('compiles')} compiles, "
             f"{d.get('signatures')} signatures | defer/strict time {d['total_s'] / s['total_s']:.2f}x, "
             f"first 100 {d['first100_s'] / s['first100_s']:.2f}x, from step 15 "
-            f"{d['from15_s'] / max(s['from15_s'], 1e-9):.2f}x, memory {d['peak_rss_mib'] - s['peak_rss_mib']:+.0f} MiB"
-            + (f", from step {row['lengths']} {d['after_skip_s'] / s['after_skip_s']:.2f}x" if row.get("lengths") else "")
+            f"{_ratio(d['from15_s'], s['from15_s'])}, memory {d['peak_rss_mib'] - s['peak_rss_mib']:+.0f} MiB"
+            + (f", from step {row['lengths']} {_ratio(d['after_skip_s'], s['after_skip_s'])}" if row.get("lengths") else "")
             + ("" if row["same_losses"] else " | LOSSES DIFFER"))
 
 
@@ -144,10 +150,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     out = [head + "| compiles (signatures) | peak MiB strict / defer | losses |", rule + "---|---|---|"]
     for r in rows:
         s, d = r["strict"], r["defer"]
-        epoch2 = f"| {d['after_skip_s'] / s['after_skip_s']:.2f}x " if lengths else ""
+        epoch2 = f"| {_ratio(d['after_skip_s'], s['after_skip_s'])} " if lengths else ""
         out.append(f"| {r['model']} | {_period(r['period'])} | {r['steps']} | {s['total_s']:.2f} ({s['first100_s']:.2f}) "
                    f"| {d['total_s']:.2f} ({d['first100_s']:.2f}) | {d['total_s'] / s['total_s']:.2f}x "
-                   f"({d['first100_s'] / s['first100_s']:.2f}x) | {d['from15_s'] / s['from15_s']:.2f}x "
+                   f"({d['first100_s'] / s['first100_s']:.2f}x) | {_ratio(d['from15_s'], s['from15_s'])} "
                    f"{epoch2}| {d.get('compiles')} ({d.get('signatures')}) "
                    f"| {s['peak_rss_mib']:.0f} / {d['peak_rss_mib']:.0f} | {'same' if r['same_losses'] else 'differ'} |")
     return "\n".join(out)
