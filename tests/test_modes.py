@@ -4,12 +4,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 import deferfuse
 from deferfuse import EagerMode
+from deferfuse.capture import patches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -199,6 +201,18 @@ def test_python_m_prints_what_python_prints_on_stderr(tmp_path, segments):
     assert strict.returncode == defer.returncode == 0, defer.stderr
     assert "lr_scheduler.py" in strict.stderr and "UserWarning: Converting a tensor with requires_grad" in strict.stderr
     assert defer.stderr == strict.stderr
+
+
+@pytest.mark.parametrize("name", sorted(patches.SILENT_READS))
+def test_reads_that_catch_no_warnings_are_silent_in_strict(name):
+    """The read wrappers give torch's warnings the caller's location by catching them, except
+    for the reads that never warn (a training loop's ``loss.item()``, every step): that they do
+    not is torch's behaviour, checked here, so that a torch which starts to warn is noticed."""
+    loss = (torch.ones(3, requires_grad=True) * 2).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        getattr(torch._C.TensorBase, name)(loss)
+        getattr(loss, name)()
 
 
 def test_defer_block_freezes_older_objects_out_of_full_collections():

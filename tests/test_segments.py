@@ -150,11 +150,18 @@ def _deferfuse_modes_on_the_stack() -> list:
     return [m for m in stack if type(m).__module__.startswith("deferfuse")]
 
 
-def _step(x: torch.Tensor, step: int, clock) -> bool:
+def _step(x: torch.Tensor, step: int, clock, at_once_s: float = 0.1) -> bool:
     """One step of a loop whose segments run faster at once; its read ends a segment."""
     y = (x * step).sin().sum()
-    clock.now += 0.1 if modes.active_recorder().at_once_segment else 1.0
+    clock.now += at_once_s if modes.active_recorder().at_once_segment else 1.0
     return bool(y < 100)
+
+
+def _recheck_at_next_end(choice: blocks.BlockChoice) -> None:
+    """Bring the choice's recheck forward to the next segment's end (past the streak of runs a
+    place settled at once counts without looking: Segments.observed)."""
+    choice.runs = choice.recheck - 1
+    modes.active_recorder().segments.streak = 0
 
 
 def _choose_at_once(clock, steps: int = 14) -> None:
@@ -184,7 +191,7 @@ def test_a_segment_at_once_runs_with_no_mode_on_the_stack(clock):
             assert deferfuse.stats()["blocks_run_at_once"] == before + 5
             # the choice's recheck (brought forward) puts the mode back for a deferred run
             choice = _segment_choice()
-            choice.runs = choice.recheck - 1
+            _recheck_at_next_end(choice)
             assert _step(x, 1, clock)
             assert choice.phase is blocks.Phase.MEASURE_DEFERRED
             assert len(_deferfuse_modes_on_the_stack()) == 1
@@ -194,6 +201,62 @@ def test_a_segment_at_once_runs_with_no_mode_on_the_stack(clock):
         finally:
             deferfuse.set_mode("strict")
     assert _deferfuse_modes_on_the_stack() == []
+
+
+@pytest.mark.parametrize("slower", [1.0, 5.0], ids=["steady", "drifting"])
+def test_a_settled_segment_counts_its_runs_and_rechecks_when_it_would_have(clock, slower):
+    """A place settled at once counts its segments' ends without timing each (a streak,
+    Segments.observed), yet its recheck comes at the same segment's end as when each was timed,
+    every run is counted, and runs at once that drift (5x slower) still make it measure again."""
+    x = torch.randn(6)
+    with config.override(eager_segments=True, always_compile=False):
+        deferfuse.set_mode("defer")
+        try:
+            _choose_at_once(clock)
+            choice = _segment_choice()
+            segments = modes.active_recorder().segments
+            left = choice.recheck - choice.runs
+            before = deferfuse.stats()["blocks_run_at_once"]
+            ends = 0
+            streaks = []
+            while choice.phase is blocks.Phase.AT_ONCE:
+                assert _step(x, ends, clock, 0.1 * slower)
+                ends += 1
+                streaks.append(segments.streak)
+                assert ends <= left
+            assert max(streaks) > 0   # (the streak did the counting)
+            assert deferfuse.stats()["blocks_run_at_once"] == before + ends
+            if slower == 1.0:
+                assert ends == left
+            else:
+                # (two outliers in a row, each a streak's mean at most)
+                assert ends <= 2 * (blocks.STREAK_MAX + 1) + 1 and choice.last is None
+        finally:
+            deferfuse.set_mode("strict")
+
+
+def test_a_read_known_to_be_no_boundary_is_looked_at_again_when_the_places_change(clock):
+    """Reads a segment at once passes by (every step's ``loss.item()``) are remembered by their
+    code and offset; a read the deferred way has not seen for ``NEW_READ_LOOK_S``, one it has
+    for good, until a new place starts segments."""
+    import sys
+    frame = (lambda: sys._getframe(0))()   # (a frame that has returned: its offset holds still)
+    segments = blocks.Segments()
+    assert not segments.known_quiet(frame)
+    segments.quiet(frame, new=True)
+    assert segments.known_quiet(frame)
+    clock.now += blocks.NEW_READ_LOOK_S
+    assert not segments.known_quiet(frame)
+    segments.quiet(frame, new=False)
+    clock.now += 1e6
+    assert segments.known_quiet(frame)
+
+    class Recorder:
+        at_once_segment = True
+
+    with config.override(eager_segments=True, always_compile=False):
+        segments.observed(Recorder(), deferfuse.debugging.source.user_line_from(sys._getframe(0)))
+    assert not segments.known_quiet(frame)
 
 
 def test_mode_changes_while_a_segment_runs_at_once(clock):
@@ -232,7 +295,7 @@ def test_mode_changes_while_a_segment_runs_at_once(clock):
             with counting:
                 # (the segment ending inside a user's mode chooses to run deferred next: the
                 # default mode stays off the stack rather than come back above the user's mode)
-                choice.runs = choice.recheck - 1
+                _recheck_at_next_end(choice)
                 assert _step(x, 2, clock)
                 assert choice.phase is blocks.Phase.MEASURE_DEFERRED
                 assert _deferfuse_modes_on_the_stack() == []

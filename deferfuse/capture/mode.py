@@ -189,14 +189,22 @@ class SegmentedDeferMode(DeferMode):
                 segments.note_read(place)
             self.settle()
             return
+        if segments.known_quiet(frame):   # (every step's loss.item())
+            self.settle()
+            return
         place = user_line_from(frame)
         if segments.starts_segments(place):
             segments.observed(recorder, place)
-        elif segments.is_new_read(place) and segments.may_discover():
-            # a read the deferred way has never seen (the program moved on: generate() after
-            # training, say): run deferred until the next read that flushes, to learn whether
-            # it is a boundary (Segments.discover)
-            segments.discover(recorder)
+        elif segments.is_new_read(place):
+            if segments.may_discover():
+                # a read the deferred way has never seen (the program moved on: generate() after
+                # training, say): run deferred until the next read that flushes, to learn
+                # whether it is a boundary (Segments.discover)
+                segments.discover(recorder)
+            else:
+                segments.quiet(frame, new=True)
+        else:
+            segments.quiet(frame, new=False)
         self.settle()
 
     def tiers_changed(self) -> None:

@@ -80,6 +80,12 @@ def write_back_before_read(t: Any, reason: FlushReason) -> None:
 # Reads that go through aten (``_local_scalar_dense``) and need no write-back, but end a default
 # defer mode's segment: their wrappers only tell the mode (``SEGMENT_READS``).
 SCALAR_READS = ("item", "__bool__", "__int__", "__float__")
+# Reads whose C++ never warns about a tensor that requires grad (``float(loss)`` does: "Converting
+# a tensor with requires_grad=True to a scalar ..."), so their wrappers need not catch warnings
+# to give them the caller's location: ``loss.item()``, read every step of a training loop, then
+# pays no ``catch_warnings`` (~3 us, and it resets the warnings filters' cache).
+# (tests/test_modes.py checks that strict says nothing for these)
+SILENT_READS = frozenset(("item", "__bool__", "__int__"))
 
 
 class _SegmentReads(threading.local):
@@ -169,6 +175,8 @@ def _reading(original, reason: Optional[FlushReason], numpy_view: bool = False):
             return show_to_numpy(self, lambda: plain(self, *args, **kwargs))
         return to_numpy
 
+    may_warn = original.__name__ not in SILENT_READS
+
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         if reason is not None:
@@ -178,12 +186,12 @@ def _reading(original, reason: Optional[FlushReason], numpy_view: bool = False):
         if mode is None or mode.suspended and is_internal(sys._getframe(1).f_code):
             # (no default mode, or a segment at once and a read inside torch, an optimizer's
             # step.item(), which can end no segment: the read alone, at strict's cost)
-            if self.requires_grad:
+            if may_warn and self.requires_grad:
                 return _warning_at_caller(original, self, args, kwargs)
             return original(self, *args, **kwargs)
         reads.depth += 1
         try:
-            if self.requires_grad:
+            if may_warn and self.requires_grad:
                 result = _warning_at_caller(original, self, args, kwargs)
             else:
                 result = original(self, *args, **kwargs)

@@ -86,6 +86,11 @@ UNSTEADY_UNTIMED = 3    # unsteady deferred runs not timed (first sightings, com
 DRIFT = 2.0             # a run this many times off the chosen way's median is an outlier ...
 DRIFT_FLOOR = 2e-4      # ... and this many seconds off it (a 0.1 ms block jitters by 2x)
 _MAX_PLACES = 4096      # the table is emptied past this many places
+# A default mode's segment settled at once (chosen so, or waiting for the budget to try the
+# deferred way) ends where it ended before up to this many times with one count each, and its
+# time and choice are looked at once after them (Segments.observed): a training step of 1 ms
+# read every step then pays ~1 us for the tier, not the ~15 us of timing each run
+STREAK_MAX = 32
 
 # A ``with deferfuse.defer():`` place's exploration credit: the user asked to defer there, so
 # it tries the deferred way from its first run, its first compile included where that is cheap
@@ -226,16 +231,21 @@ class BlockChoice:
             allowance = max(0.0, left) / COMPILE_SHARE
         executables.allow_compiles(allowance)
 
-    def finished(self, seconds: float, steady: bool, at_once: Optional[bool] = None) -> None:
+    def finished(self, seconds: float, steady: bool, at_once: Optional[bool] = None, runs: int = 1) -> None:
         """A run of the block ended without an exception, after ``seconds``; ``steady`` says
         whether a deferred run compiled nothing (runs at once are always steady); ``at_once``:
-        how it ran (by default, as its phase says)."""
+        how it ran (by default, as its phase says); ``runs``: how many runs at once of a
+        settled place the time holds (``settled_runs``), each then timed at their mean."""
         phase = self.phase
         if at_once is None:
             at_once = phase is Phase.AT_ONCE or phase is Phase.MEASURE_AT_ONCE
         executables.allow_compiles(None)
         # (a process's one-off costs, paid during this run, are no cost of this place's)
-        self._account(max(0.0, seconds - (startup_seconds() - self.startup)), at_once)
+        seconds = max(0.0, seconds - (startup_seconds() - self.startup))
+        if runs > 1:
+            self.elapsed += seconds * (runs - 1) / runs
+            seconds /= runs
+        self._account(seconds, at_once)
         if phase is Phase.MEASURE_DEFERRED and at_once:
             return   # (waiting for the budget: a run at once, counted as a reference only)
         if phase is Phase.MEASURE_AT_ONCE and (self.compiling or executables.compiles_pending()):
@@ -257,7 +267,7 @@ class BlockChoice:
             self.at_once.append(seconds)
             self._measured()
         else:
-            self.runs += 1
+            self.runs += runs
             if self.runs >= self.recheck:
                 self._measure_again()
             elif steady and self.remembered and self.median is None:
@@ -270,6 +280,31 @@ class BlockChoice:
                     self.median = _median(self.own[UNSTEADY_UNTIMED:])
             elif steady:
                 self._watch_for_drift(seconds)
+
+    def settled_runs(self) -> int:
+        """How many runs at once may follow the next without being timed one by one (at most
+        STREAK_MAX): while the choice is at once and its recheck is further away, or while the
+        deferred way waits for the budget and the runs at once that earn it are more.  None
+        while measuring, or while a remembered choice times this process's own first runs."""
+        phase = self.phase
+        if phase is Phase.AT_ONCE:
+            if self.remembered and self.median is None:
+                return 0
+            return max(0, min(STREAK_MAX, self.recheck - self.runs - 2))
+        if phase is not Phase.MEASURE_DEFERRED or self.unpriced is not None or not self.reference:
+            return 0
+        share = config.get("explore_share")
+        if share >= 1.0 or share <= 0.0:
+            return 0
+        run = _median(self.reference)
+        expected = self.trial
+        if expected is None:
+            expected = first_trial_estimate() + self.trial_runs * run
+        # (the seconds at once still to run before a deferred run fits: may_try)
+        short = (self.spent + expected - self.credit) / share - self.elapsed
+        if run <= 0.0 or short <= 0.0:
+            return 0
+        return max(0, min(STREAK_MAX, int(short / run) - 2))
 
     def _account(self, seconds: float, at_once: bool) -> None:
         """The budget's books after a run: its time, and what a deferred run (with the compiles
@@ -398,6 +433,14 @@ class BlockChoice:
 
 _PLACES: dict[Any, BlockChoice] = {}
 _READS: set = set()   # segment keys of reads that ran deferred without flushing (no boundaries)
+# (code, offset) of reads by the user's code that a segment at once may pass by (every step's
+# ``loss.item()``), known without taking the place: no boundary, until when (reads the deferred
+# way has seen: for good; new ones while the program may not run deferred to learn what they
+# are: until NEW_READ_LOOK_S later).  Emptied when a table changes so that one could become a
+# boundary.
+_QUIET: dict = {}
+NEW_READ_LOOK_S = 0.01
+_FOR_GOOD = float("inf")
 
 
 def first_trial_estimate() -> float:
@@ -449,6 +492,7 @@ def forget() -> None:
     """Every place measures again (reset_stats() does not call this; tests do)."""
     _PLACES.clear()
     _READS.clear()
+    _QUIET.clear()
 
 
 def describe_all() -> Optional[str]:
@@ -489,7 +533,7 @@ class Segments:
     The recorder calls ``observed`` after each boundary read; the segment that ended is timed,
     the next one's way is chosen."""
 
-    __slots__ = ("choice", "started", "unsteady", "way", "created")
+    __slots__ = ("choice", "started", "unsteady", "way", "created", "streak", "runs", "streak_at")
 
     def __init__(self) -> None:
         self.choice: Optional[BlockChoice] = None
@@ -497,6 +541,12 @@ class Segments:
         self.unsteady = 0
         self.way = False   # whether the segment running now was started at once
         self.created = clock()
+        # a place settled at once (BlockChoice.settled_runs): how many more times its segment
+        # may end at the same instruction (streak_at: code, offset, whether a step's end) with
+        # one count each; runs: the segment's runs that the time since ``started`` holds
+        self.streak = 0
+        self.runs = 1
+        self.streak_at: tuple = (None, -1, False)
 
     def note_read(self, place: Any) -> None:
         """A read at ``place`` ran deferred and did not flush: no boundary."""
@@ -504,7 +554,23 @@ class Segments:
         if key not in _READS:
             if len(_READS) >= _MAX_PLACES:
                 _READS.clear()
+                _QUIET.clear()
             _READS.add(key)
+
+    @staticmethod
+    def known_quiet(frame: Any) -> bool:
+        """Whether a read by the user's ``frame`` is one the segment running at once passes by
+        (``quiet`` said so, since the tables last changed and within its time)."""
+        until = _QUIET.get((frame.f_code, frame.f_lasti))
+        return until is not None and (until is _FOR_GOOD or clock() < until)
+
+    @staticmethod
+    def quiet(frame: Any, new: bool) -> None:
+        """A read by the user's ``frame`` was found to be no boundary: one the deferred way has
+        seen, or (``new``) one it has not but that may not be learned yet (``may_discover``)."""
+        if len(_QUIET) >= _MAX_PLACES:
+            _QUIET.clear()
+        _QUIET[(frame.f_code, frame.f_lasti)] = clock() + NEW_READ_LOOK_S if new else _FOR_GOOD
 
     @staticmethod
     def is_new_read(place: Any) -> bool:
@@ -518,6 +584,7 @@ class Segments:
         if self.choice is not None and self.way:
             STATS.blocks_run_at_once += 1
         self.choice = None
+        self.streak = 0
         self.way = recorder.at_once_segment = False
         executables.allow_compiles(None)
 
@@ -545,6 +612,15 @@ class Segments:
     def observed(self, recorder: Any, place: Any, reason: FlushReason = FlushReason.SYNC) -> None:
         """A value was read at ``place`` (a SourceLine), or a step ended there (``reason``
         STEP: capture/steps.py); ``recorder``: the default mode's."""
+        if self.streak and recorder.at_once_segment and place is not None \
+                and self.streak_at == (place.code, place.lasti, reason is FlushReason.STEP) \
+                and config.shortcuts().segments_timed:
+            # (settled at once, and ending where it ended: counted, timed with the streak's end)
+            self.streak -= 1
+            self.runs += 1
+            STATS.blocks_run_at_once += 1
+            return
+        self.streak = 0
         choice = self.choice
         if not recorder.at_once_segment:
             recorder.flush_all(reason)   # (the segment's work, all of it, in its time)
@@ -556,7 +632,8 @@ class Segments:
         if choice is not None:
             at_once = recorder.at_once_segment
             if at_once == self.way:   # (not timed: a segment that could not run as chosen)
-                choice.finished(clock() - self.started, at_once or unsteady_count() == self.unsteady, at_once)
+                choice.finished(clock() - self.started, at_once or unsteady_count() == self.unsteady, at_once,
+                                self.runs)
             if at_once:
                 STATS.blocks_run_at_once += 1
         # (a step's end and the reads inside the step, an optimizer's step.item(), share the
@@ -569,10 +646,15 @@ class Segments:
                 _PLACES.clear()
             what = "steps ending" if step else "reads starting segments"
             choice = _PLACES[key] = BlockChoice(f"{place} ({what})", trial_runs=SEGMENT_TRIAL_RUNS)
+            _QUIET.clear()
         self.choice = choice
         self.way = recorder.at_once_segment = choice.runs_at_once   # (nothing pending: flushed above)
         choice.starting(self.way)
         self.unsteady = unsteady_count()
+        self.runs = 1
+        if self.way and place is not None:
+            self.streak = choice.settled_runs()
+            self.streak_at = (place.code, place.lasti, step)
         self.started = clock()
 
 
