@@ -232,24 +232,37 @@ def flatten(tree: Any) -> list:
     return [tree]
 
 
-def _dense(t: torch.Tensor) -> bool:
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-    return bool(is_non_overlapping_and_dense_or_false(t))
-
-
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """A plain torch tensor with the same values and layout (a DeferredTensor is materialized)."""
+    """A plain torch tensor with the same values and layout (a DeferredTensor is materialized,
+    into a copy of its storage: its sizes, strides and storage offset kept, whether or not it
+    is dense)."""
     if isinstance(t, deferfuse.DeferredTensor):
         from deferfuse.capture.recorder import no_dispatch
         with no_dispatch():
             data = t._materialize().detach()
-            if _dense(data):                        # keep the layout
-                copy = torch.empty_strided(data.shape, data.stride(), dtype=data.dtype)
-                copy.copy_(data)
-            else:                                    # expanded (stride 0) or gappy: contiguous
-                copy = data.clone(memory_format=torch.contiguous_format)
+            if tuple(data.stride()) != tuple(t.stride()) or data.storage_offset() != t.storage_offset():
+                raise Mismatch(f"the computed data has strides {data.stride()} (offset "
+                               f"{data.storage_offset()}); the deferred tensor said {t.stride()} "
+                               f"(offset {t.storage_offset()})")
+            copy = torch.empty(0, dtype=data.dtype)
+            copy.set_(data.untyped_storage().clone(), data.storage_offset(), data.shape, data.stride())
+            if data.is_conj():
+                copy = copy._conj()
+            if data.is_neg():
+                copy = copy._neg_view()
         return copy
     return t.detach()
+
+
+def layout_differs(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether two strided tensors of one shape are laid out differently: another stride along
+    a dimension of more than one element, or another storage offset (a dimension of one element
+    has no stride to speak of, and a tensor of at most one element no layout)."""
+    if actual.layout != torch.strided or expected.layout != torch.strided or expected.numel() <= 1:
+        return False
+    if actual.storage_offset() != expected.storage_offset():
+        return True
+    return any(a != e for a, e, n in zip(actual.stride(), expected.stride(), expected.shape) if n > 1)
 
 
 def plain_tree(tree: Any) -> Any:
@@ -283,6 +296,10 @@ def compare(expected: Any, actual: Any, *, path: str, tol: Optional[tuple[float,
             raise Mismatch(f"{path}: dtype {actual.dtype} != strict {expected.dtype}")
         if actual.shape != expected.shape:
             raise Mismatch(f"{path}: shape {tuple(actual.shape)} != strict {tuple(expected.shape)}")
+        if layout_differs(actual, expected):
+            raise Mismatch(f"{path}: strides {actual.stride()} (offset {actual.storage_offset()}) != "
+                           f"strict {expected.stride()} (offset {expected.storage_offset()}), "
+                           f"shape {tuple(expected.shape)}")
         if how == "shape_dtype":
             return
         kwargs: dict[str, Any] = {}
