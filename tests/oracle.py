@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import os
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deferfuse
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+from conformance.cases import layout_differs  # noqa: E402 - (after the path)
 
 
 def _clone(tree: Any) -> Any:
@@ -22,17 +26,19 @@ def _clone(tree: Any) -> Any:
     return tree
 
 
-# ORACLE_STRIDES=1: results' strides compared too (docs/semantics.md lists the few results whose
-# layout differs from the CPU kernel's; off by default until they are fixed)
-_STRIDES = os.environ.get("ORACLE_STRIDES") == "1"
+# Strides are observable (code branches on is_contiguous(), views of a result depend on them), so
+# results' layouts are compared with strict's; ORACLE_STRIDES=0 turns that off (to see whether
+# a failure is only a layout)
+STRIDES = os.environ.get("ORACLE_STRIDES", "1") != "0"
 
 
-def _strides_differ(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Whether two dense tensors of one shape are laid out differently (a dimension of size 1
-    has no stride to speak of)."""
-    if actual.layout != torch.strided or expected.layout != torch.strided or expected.numel() <= 1:
-        return False
-    return any(a != e for a, e, n in zip(actual.stride(), expected.stride(), expected.shape) if n > 1)
+def landed(t: torch.Tensor) -> torch.Tensor:
+    """The memory a deferred tensor's values land in (computed now), as torch sees it."""
+    if not isinstance(t, deferfuse.DeferredTensor):
+        return t
+    from deferfuse.capture.recorder import no_dispatch
+    with no_dispatch():
+        return t._materialize()
 
 
 def assert_same(expected: Any, actual: Any, *, exact: bool = False, path: str = "result", **tol) -> None:
@@ -40,9 +46,14 @@ def assert_same(expected: Any, actual: Any, *, exact: bool = False, path: str = 
         assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
         assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != strict {expected.dtype}"
         assert actual.shape == expected.shape, f"{path}: shape {tuple(actual.shape)} != strict {tuple(expected.shape)}"
-        if _STRIDES:
-            assert not _strides_differ(actual, expected), \
-                f"{path}: strides {actual.stride()} != strict {expected.stride()} (shape {tuple(expected.shape)})"
+        if STRIDES:
+            assert not layout_differs(actual, expected), (
+                f"{path}: strides {actual.stride()} (offset {actual.storage_offset()}) != strict "
+                f"{expected.stride()} (offset {expected.storage_offset()}), shape {tuple(expected.shape)}")
+            data = landed(actual)
+            assert not layout_differs(data, expected), (
+                f"{path}: the computed data has strides {data.stride()} (offset "
+                f"{data.storage_offset()}) != strict {expected.stride()} (offset {expected.storage_offset()})")
         a, e = actual.detach(), expected.detach()
         if exact or not (e.is_floating_point() or e.is_complex()):
             assert torch.equal(a, e) or (a.isnan() == e.isnan()).all() and torch.equal(

@@ -214,8 +214,7 @@ def test_encoder_layer_edge_layouts():
         return ENCODER_LAYER(src, EMBED, HEADS, *params)
 
     with torch.no_grad():
-        # an empty src comes back cloned; a transposed one falls back (the meta kernel keeps
-        # its layout, the CPU kernel's output is contiguous)
+        # an empty src comes back cloned; a transposed one gives a contiguous output, as the CPU
+        # kernel lays it out (the meta kernel keeps src's layout: capture/meta.py asks the kernel)
         lowered(lambda x: call(x[:, :0]), inputs())
-        assert fell_back(lambda x: call(x.transpose(0, 1).contiguous().transpose(0, 1)), inputs()) == {
-            str(ENCODER_LAYER): 1}
+        lowered(lambda x: call(x.transpose(0, 1).contiguous().transpose(0, 1)), inputs())

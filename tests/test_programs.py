@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import deferfuse
 from deferfuse.capture import meta
 from deferfuse import engine
+import oracle
 from program_gen import FAMILIES, OPS, programs
 from program_model import InputSpec, Lit, Program, Step, compiled, observe_value
 from user_defaults import forget_what_was_learned
@@ -212,6 +213,10 @@ def _mismatch(name: str, expected: torch.Tensor, actual: Any, nudged: list) -> s
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         return (f"{name}: expected {expected.dtype}{list(expected.shape)}, "
                 f"got {actual.dtype}{list(actual.shape)}")
+    for which, got in (("", actual), (" (computed data)", oracle.landed(actual))) if oracle.STRIDES else ():
+        if oracle.layout_differs(got, expected):
+            return (f"{name}{which}: strides {got.stride()} (offset {got.storage_offset()}), strict "
+                    f"{expected.stride()} (offset {expected.storage_offset()}), shape {list(expected.shape)}")
     expected, actual = expected.detach(), actual.detach().clone()  # a plain tensor from here on
     nudged = [n for n in nudged if isinstance(n, torch.Tensor) and n.shape == expected.shape
               and n.dtype == expected.dtype]

@@ -214,13 +214,17 @@ def _infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Me
             # an out= tensor of the wrong size: the recorder resizes the real one and warns
             # then, as torch's kernel does, whether or not this inference is cached
             warnings.filterwarnings("ignore", message="An output with one or more elements was resized")
+            # (whether the metadata comes from Python, not from the C++ code the CPU kernel
+            # shares: a torch meta function or our shape rule, which may lay results out
+            # otherwise than the kernel)
+            from_python = _meta_kernel_is_python(op)
             try:
                 result = op(*meta_args, **meta_kwargs)
             except NotImplementedError:
                 rule = _shape_rule(op)
                 if rule is None:
                     raise
-                result = rule(*meta_args, **meta_kwargs)
+                result, from_python = rule(*meta_args, **meta_kwargs), True
             except Exception:
                 # A meta kernel written for another device rejects what the CPU kernel runs
                 # (_grouped_mm's wants bfloat16): our shape rule, where we have one, decides
@@ -228,7 +232,7 @@ def _infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Me
                 rule = get_shape_rule(op)
                 if rule is None:
                     raise
-                result = rule(*meta_args, **meta_kwargs)
+                result, from_python = rule(*meta_args, **meta_kwargs), True
     except NotImplementedError as meta_error:
         # No meta kernel and no shape rule (or a data-dependent op, nonzero): only the real
         # kernel can say, and it raises the user's errors itself when it runs.
@@ -252,6 +256,8 @@ def _infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> Me
     if correction is not None and device.type == "cpu":
         # (lowerings compute what the CPU kernel does, so they follow the corrected metadata)
         outs = correction(outs, args, kwargs)
+    elif device.type == "cpu" and from_python:
+        outs = _fresh_outputs_as_cpu_lays_them(op, outs, args, kwargs)
     if device.type == "cpu" and any(o is not None and 0 in o.shape for o in outs):
         outs = _empty_outputs_as_cpu_lays_them(op, outs, args, kwargs)
     tensor_outs = tuple(o for o in outs if o is not None)
@@ -316,12 +322,23 @@ def _small_real_inputs(args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]
     tensors = [a for a in _walk(args, kwargs) if isinstance(a, TensorMeta)]
     if sum(t.storage_numel for t in tensors) > _SMALL:
         return None
+    return _with_tensors(args, kwargs, _zeros_as)
 
+
+def _zeros_as(m: TensorMeta) -> torch.Tensor:
+    return torch.zeros((m.storage_numel,), dtype=m.dtype).as_strided(m.shape, m.stride, m.offset)
+
+
+def _with_tensors(args: tuple, kwargs: dict, make) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with ``make(m)`` for each TensorMeta ``m``, and a generator of
+    their own for the user's (a kernel run to learn metadata must not advance theirs)."""
     def real(a: Any) -> Any:
         if isinstance(a, TensorMeta):
-            return torch.zeros((a.storage_numel,), dtype=a.dtype).as_strided(a.shape, a.stride, a.offset)
+            return make(a)
         if isinstance(a, RuntimeScalar):
             return a.value
+        if isinstance(a, torch.Generator):
+            return torch.Generator(a.device)
         if type(a) in (list, tuple):
             return type(a)(real(x) for x in a)
         return a
@@ -355,6 +372,167 @@ def _empty_outputs_as_cpu_lays_them(op, outs: tuple, args: tuple, kwargs: dict) 
             meta = meta._replace(stride=tuple(r.stride()), offset=r.storage_offset())
         corrected.append(meta)
     return tuple(corrected)
+
+
+_PYTHON_META: dict = {}   # op -> whether the kernel torch runs for it on meta tensors is Python
+
+
+def _meta_kernel_is_python(op: torch._ops.OpOverload) -> bool:
+    """Whether meta tensors run a Python function for ``op`` (a meta function of
+    torch._meta_registrations or a reference from torch._refs, registered over the C++ meta
+    function where there is one) rather than C++ code the CPU kernel shares (a structured
+    kernel's meta function, a kernel for every device).  Python ones are written for every
+    device and lay some results out otherwise than the CPU kernel: div(rounding_mode="floor")'s
+    reference is a chain of ops whose last one orders its operands otherwise than the CPU
+    kernel's TensorIterator, all.dims's keeps its input's strides where the CPU's reduction
+    makes a contiguous result, and _fft_r2c's lays out its result as MKL's and cuFFT's plans
+    do, not as pocketfft's contiguous one.  Asked once per op (the dispatcher's table, read
+    from its dump, names the file that registered the active meta kernel)."""
+    known = _PYTHON_META.get(op)
+    if known is None:
+        active = [line for line in torch._C._dispatch_dump(op.name()).splitlines() if line.startswith("Meta:")]
+        known = bool(active) and ".py:" in active[0]
+        _PYTHON_META[op] = known
+    return known
+
+
+def _fresh_positions(op: torch._ops.OpOverload, count: int) -> list[bool]:
+    """For each of ``count`` outputs, whether the schema says it is new memory (not a view or
+    an in-place or out= argument, whose layout is the argument's)."""
+    returns = op._schema.returns
+    if len(returns) == 1 and count != 1:   # (one Tensor[] return)
+        return [returns[0].alias_info is None] * count
+    return [r.alias_info is None for r in returns][:count] + [False] * max(0, count - len(returns))
+
+
+def _fresh_outputs_as_cpu_lays_them(op, outs: tuple, args: tuple, kwargs: dict) -> tuple:
+    """Where a Python meta function gave the metadata (``_meta_kernel_is_python``), the layout
+    of each new, dense result as the CPU kernel makes it: the kernel itself is run on
+    zero-filled CPU tensors of the call's layouts (the same sizes and strides) and says.  This
+    runs where an inference misses its cache, and costs ~15 us for a small call (a meta
+    function costs 0.2-5 ms).  An elementwise call too large to run is run on a miniature of
+    itself (``_miniature_inputs``): each dimension cut to two elements, the strides in the same
+    order, and the layout it gives (the order of its result's dimensions in memory) carried
+    over to the call's own sizes.  Where the kernel rejects zeros (a linear solve) or the miniature, or
+    gives a result that is not plain dense memory of its own, the meta function's layout
+    stands."""
+    if op.namespace != "aten":   # (another library's op may count its calls, or print)
+        return outs
+    fresh = [f and o is not None and o.numel > 1 for f, o in zip(_fresh_positions(op, len(outs)), outs)]
+    if not any(fresh):
+        return outs
+    # (plain CPU tensors, whatever mode is on)
+    with torch.utils._python_dispatch._disable_current_modes(), no_dynamo_import():
+        return _as_probed(op, outs, fresh, args, kwargs)
+
+
+def _as_probed(op, outs: tuple, fresh: list, args: tuple, kwargs: dict) -> tuple:
+    small = sum(o.numel for o in outs if o is not None) <= _SMALL
+    real = _small_real_inputs(args, kwargs) if small else None
+    miniature = real is None
+    if miniature:
+        real = _miniature_inputs(op, args, kwargs, outs)
+        if real is None:
+            return outs
+    results = _run_for_layout(op, real[0], real[1])
+    if results is None or len(results) != len(outs):
+        return outs
+    inputs = {t.untyped_storage().data_ptr() for t in _walk(*real) if isinstance(t, torch.Tensor)}
+    corrected = []
+    for meta, r, wanted in zip(outs, results, fresh):
+        if wanted and _owns_dense_memory(r, inputs) and r.dtype == meta.dtype:
+            layout = _carried_over(r, meta) if miniature else (
+                TensorMeta.of(r, meta.device) if tuple(r.shape) == meta.shape else None)
+            meta = layout if layout is not None else meta
+        corrected.append(meta)
+    return tuple(corrected)
+
+
+def _run_for_layout(op, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """``op``'s results on the CPU kernel, or None where it raises (an op that draws random
+    numbers draws them with the default generator's state restored after)."""
+    seeded = torch.Tag.nondeterministic_seeded in op.tags
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[], enabled=seeded):
+            warnings.simplefilter("ignore")
+            result = op(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the meta function's metadata stands
+        return None
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _owns_dense_memory(r: Any, inputs: set) -> bool:
+    """Whether ``r`` is a dense tensor over the whole of a storage of its own."""
+    if not isinstance(r, torch.Tensor) or r.layout != torch.strided or r.is_nested:
+        return False
+    m = TensorMeta.of(r)
+    return m.is_dense and m.offset == 0 and m.storage_numel == m.numel and \
+        r.untyped_storage().data_ptr() not in inputs
+
+
+def _miniature(m: TensorMeta) -> Optional[torch.Tensor]:
+    """Zeros standing for ``m`` in a call too large to run: each dimension cut to at most two
+    elements (a dimension of one, or none, kept), with strides in ``m``'s order, its equal and
+    zero (broadcast) strides kept equal and zero and its gaps (a slice's step) kept as gaps,
+    which is what layout rules read (TensorIterator's order of dimensions, memory formats);
+    None for overlapping memory."""
+    sizes = [min(n, 2) for n in m.shape]
+    strides = [0] * len(sizes)
+    step, real_extent, previous = 1, 1, None
+    for d in sorted((d for d in range(len(sizes)) if m.stride[d] != 0), key=lambda d: (m.stride[d], -d)):
+        if previous is not None and m.stride[d] == m.stride[previous]:
+            strides[d] = strides[previous]
+        else:
+            if m.stride[d] < real_extent and m.shape[d] > 1:
+                return None
+            strides[d] = step * 2 if m.stride[d] > real_extent else step
+        step = max(step, strides[d] * sizes[d])
+        real_extent = max(real_extent, m.stride[d] * m.shape[d])
+        previous = d
+    numel = 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else 0
+    return torch.zeros((numel,), dtype=m.dtype).as_strided(sizes, strides)
+
+
+def _miniature_inputs(op, args: tuple, kwargs: dict, outs: tuple) -> Optional[tuple[tuple, dict]]:
+    """The call's arguments with ``_miniature`` tensors, or None where a miniature could not
+    stand for the call: only calls whose tensors all broadcast to the one shape of their
+    results are cut down (elementwise kernels, and those that keep their input's shape), since
+    cutting every dimension to two elements keeps those shapes consistent; a kernel given
+    sizes that disagree may abort the process instead of raising.  An op with sizes among its
+    arguments (``new_zeros``) is left alone: its result would keep them."""
+    if any("SymInt" in str(a.type) for a in op._schema.arguments):
+        return None
+    tensors = [a for a in _walk(args, kwargs) if isinstance(a, TensorMeta)]
+    shapes = {o.shape for o in outs if o is not None}
+    if not tensors or len(shapes) != 1:
+        return None
+    (shape,) = shapes
+    for t in tensors:
+        if len(t.shape) > len(shape) or any(a not in (b, 1) for a, b in zip(reversed(t.shape), reversed(shape))):
+            return None
+    miniatures = {}
+    for t in tensors:
+        if id(t) not in miniatures:
+            made = _miniature(t)
+            if made is None:
+                return None
+            miniatures[id(t)] = made
+    return _with_tensors(args, kwargs, lambda m: miniatures[id(m)])
+
+
+def _carried_over(r: torch.Tensor, meta: TensorMeta) -> Optional[TensorMeta]:
+    """``meta`` laid out as the miniature's result ``r`` is: its dimensions in the same order
+    in memory (dense), or None where ``r``'s dimensions do not stand for ``meta``'s (another
+    number of them, or a dimension of one element where the other has more)."""
+    if r.dim() != len(meta.shape) or any((a == 1) != (b == 1) for a, b in zip(r.shape, meta.shape)):
+        return None
+    strides = [0] * len(meta.shape)
+    step, previous = 1, None
+    for d in sorted(range(len(meta.shape)), key=lambda d: r.stride(d)):
+        strides[d] = strides[previous] if previous is not None and r.stride(d) == r.stride(previous) else step
+        step = max(step, strides[d] * meta.shape[d])
+        previous = d
+    return meta._replace(stride=tuple(strides), offset=0, storage_numel=meta.numel)
 
 
 def _has_internal_overlap(m: TensorMeta) -> bool:

@@ -39,7 +39,17 @@ def _nonzero(recorder, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     (x,) = args
     if kwargs or x.dtype.is_complex:
         return None     # (count_nonzero of complex values is not lowered)
-    return torch.nonzero_static(x, size=_count(recorder, x))
+    count = _count(recorder, x)
+    found = torch.nonzero_static(x, size=count)
+    # torch's CPU kernel gives its result column-major, strides (1, count) (nonzero_out_cpu:
+    # "default to fortran-contiguous output", gh-46224), where nonzero_static's is row-major; an
+    # empty one as the kernel itself lays it out (found nothing in zeros of x's dimensions)
+    if count:
+        strides = (1, count)
+    else:
+        with no_dispatch():
+            strides = torch.nonzero(torch.zeros((1,) * x.dim(), dtype=x.dtype)).stride()
+    return found.new_empty_strided(found.shape, strides).copy_(found)
 
 
 def _masked_select(recorder, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:

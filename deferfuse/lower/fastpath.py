@@ -135,8 +135,10 @@ def _check_encoder_layer(ctx: LoweringContext) -> Optional[str]:
               "ffn_weight_2": (a["ffn_weight_2"], (e, hidden))}
     reason = _check_attention(ctx, src, (), embed_dim, a["num_heads"], params, a["mask"], a["mask_type"])
     if reason is None and ctx.out[0].stride != _contiguous_strides(src.shape):
-        return ("a src that is not contiguous: the meta kernel lays the output out as src, the CPU "
-                "kernel contiguously")
+        # (capture/meta.py takes the CPU kernel's layout for a call small enough to run; a
+        # larger one keeps the meta kernel's)
+        return ("a src that is not contiguous, too large for capture/meta.py to learn the CPU kernel's "
+                "layout: the meta kernel lays the output out as src, the CPU kernel contiguously")
     return reason
 
 
