@@ -97,20 +97,14 @@ def test_all_and_any_over_no_dims_are_contiguous(name):
     _same_layout(lambda x: [aten.all.dims(x, []), aten.any.dims(x, []), aten.all.dims(x, [0], True)], x)
 
 
-_LARGE_FFT = pytest.mark.xfail(strict=True, reason=(
-    "docs/semantics.md, Known differences: a call of more than 65536 elements whose inputs do not "
-    "broadcast to its result's shape is not run on a miniature (a kernel given sizes that disagree "
-    "may abort the process), so rfftn of one keeps the meta function's layout"))
-
-
 @pytest.mark.parametrize("shape,dims", [((3, 5), None), ((2, 3, 4), None), ((2, 3, 4), (0, 2)),
                                         ((6, 3), "t"), ((4, 9), "sliced"),
-                                        pytest.param((400, 300), None, marks=_LARGE_FFT),
+                                        ((400, 300), None), ((300, 400), "t"),
                                         ((2, 3, 4, 5), "channels_last")])
 def test_rfftn_is_contiguous_as_pocketfft_makes_it(shape, dims):
     # (torch's meta function lays out the result as MKL's and cuFFT's plans do; the large one in
     # float64: float32's rounding of a 400-point transform is beyond the default tolerance)
-    x = seeded_randn(*shape, dtype=torch.float64 if shape[0] == 400 else torch.float32)
+    x = seeded_randn(*shape, dtype=torch.float64 if len(shape) == 2 and shape[0] * shape[1] > 65536 else torch.float32)
     if dims == "t":
         x, dims = x.t(), None
     elif dims == "sliced":
@@ -118,6 +112,15 @@ def test_rfftn_is_contiguous_as_pocketfft_makes_it(shape, dims):
     elif dims == "channels_last":
         x, dims = x.to(memory_format=torch.channels_last), None
     _same_layout(lambda x: [torch.fft.rfftn(x, dim=dims), torch.fft.rfft2(x), torch.fft.rfft(x, dim=0)], x)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_a_large_complex_fft_is_laid_out_as_the_kernel_lays_it_out(layout):
+    # (a call of more than 65536 elements whose result is not its input's shape: the kernel runs
+    # on a miniature of it, an FFT of two-element signals, and its layout is carried over)
+    x = torch.complex(seeded_randn(300, 301, dtype=torch.float64), seeded_randn(300, 301, dtype=torch.float64, seed=2))
+    x = x.t() if layout == "transposed" else x
+    _same_layout(lambda x: [torch.fft.fftn(x), torch.fft.fft(x, dim=0), torch.fft.ihfft2(x.real)], x)
 
 
 def test_only_python_meta_functions_are_checked_against_the_kernel():

@@ -493,13 +493,20 @@ def _miniature(m: TensorMeta) -> Optional[torch.Tensor]:
     return torch.zeros((numel,), dtype=m.dtype).as_strided(sizes, strides)
 
 
+# Ops whose results' sizes follow from their one tensor's sizes alone and whose CPU kernels
+# take any sizes: a miniature of a call is a consistent call of its own (an FFT of signals of
+# two elements; no signal size among the arguments: _fft_c2r's last_dim_size is left out)
+_SIZES_FROM_INPUT = frozenset({torch.ops.aten._fft_r2c.default, torch.ops.aten._fft_c2c.default})
+
+
 def _miniature_inputs(op, args: tuple, kwargs: dict, outs: tuple) -> Optional[tuple[tuple, dict]]:
     """The call's arguments with ``_miniature`` tensors, or None where a miniature could not
     stand for the call: only calls whose tensors all broadcast to the one shape of their
     results are cut down (elementwise kernels, and those that keep their input's shape), since
-    cutting every dimension to two elements keeps those shapes consistent; a kernel given
-    sizes that disagree may abort the process instead of raising.  An op with sizes among its
-    arguments (``new_zeros``) is left alone: its result would keep them."""
+    cutting every dimension to two elements keeps those shapes consistent, and the ops of
+    ``_SIZES_FROM_INPUT``; a kernel given sizes that disagree may abort the process instead of
+    raising.  An op with sizes among its arguments (``new_zeros``) is left alone: its result
+    would keep them."""
     if any("SymInt" in str(a.type) for a in op._schema.arguments):
         return None
     tensors = [a for a in _walk(args, kwargs) if isinstance(a, TensorMeta)]
@@ -507,9 +514,12 @@ def _miniature_inputs(op, args: tuple, kwargs: dict, outs: tuple) -> Optional[tu
     if not tensors or len(shapes) != 1:
         return None
     (shape,) = shapes
-    for t in tensors:
-        if len(t.shape) > len(shape) or any(a not in (b, 1) for a, b in zip(reversed(t.shape), reversed(shape))):
+    if op in _SIZES_FROM_INPUT:
+        if len(tensors) != 1 or len(tensors[0].shape) != len(shape):
             return None
+    elif any(len(t.shape) > len(shape) or any(a not in (b, 1) for a, b in zip(reversed(t.shape), reversed(shape)))
+             for t in tensors):
+        return None
     miniatures = {}
     for t in tensors:
         if id(t) not in miniatures:
