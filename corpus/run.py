@@ -49,9 +49,10 @@ KNOWN_DIFFERENCES = {
                          "type(t) is torch.Tensor is False (docs/semantics.md, Known differences: type(t))",
     "tensor_subclass": "a __torch_function__ that returns func's result with subclass dispatch off "
                        "hands back the pending value, a DeferredTensor (docs/semantics.md, Known differences: type(t))",
-    "torchscript_roundtrip": "on a warm cache a 4x4 Linear's product is XLA's own dot (below host_kernel_min_flops) "
-                             "while its twin ran on torch's kernel: torch.equal of the two is False in the last bit "
-                             "(issue 36's routing; to be fixed, not accepted)",
+    "lbfgs_closure": "always_compile runs tanh and the loss's reductions on XLA, which round otherwise than torch's "
+                     "kernels in the last bits, and 50 strong-Wolfe iterations amplify that to ~3e-3 of the printed "
+                     "loss: strict itself, with a tanh written as (e^2x-1)/(e^2x+1), prints 0.02465 and makes 58 "
+                     "closure calls for 0.02463 and 57 (docs/semantics.md, Known differences: reproducibility)",
 }
 TIMEOUT_S = 900
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|nan|inf")

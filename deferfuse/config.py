@@ -94,12 +94,15 @@ _declare("host_kernels", bool, True,
          "the program: strict's speed and bits, operands' transposes passed as strides.  The "
          "handlers are compiled at first use (a C++ compiler is needed; without one XLA's dots "
          "run, with one warning).  See deferfuse/native/hostkernels.py.", affects_compile=True)
-_declare("host_kernel_min_flops", int, 1 << 24,
+_declare("host_kernel_min_flops", int, -1,
          "With host_kernels: a matrix product goes to torch's kernel only when it has at least "
          "this many FLOPs (2*M*N*K, times the batch); a smaller one (a decode step's one-row "
-         "products) is XLA's own dot, where one FFI call costs more than the product.  Decided "
-         "by shapes alone, so the same program routes the same way on every run; 0 sends every "
-         "product to the host kernels.  See docs/performance.md.", affects_compile=True)
+         "products) is XLA's own dot, where one FFI call costs more than the product, but whose "
+         "bits are not torch's.  Decided by shapes alone, so the same program routes the same "
+         "way on every run; 0 sends every product to the host kernels.  -1 (the default): by "
+         "front end, 0 in defer mode (strict's bits, whichever way a product runs: eagerly on a "
+         "first sighting, in a program from the disk cache) and 2^24 under torch.compile (which "
+         "promises Inductor's closeness, not bits).  See docs/performance.md.", affects_compile=True)
 _declare("lone_op_on_torch", bool, True,
          "Run a flush of a single op (nothing to fuse) on torch's own kernel instead of XLA "
          "(always_compile overrides).")

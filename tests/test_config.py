@@ -64,7 +64,7 @@ def test_the_host_kernels_threshold_is_a_compile_setting():
     """``host_kernel_min_flops`` routes products between torch's kernels and XLA's dots by
     shape: it changes compiled code, so it is part of the executable cache key."""
     setting = config.settings()["host_kernel_min_flops"]
-    assert setting.type is int and setting.default == 1 << 24 and setting.affects_compile
+    assert setting.type is int and setting.default == -1 and setting.affects_compile
     assert setting.parse("0") == 0 and setting.env_var == "DEFERFUSE_HOST_KERNEL_MIN_FLOPS"
     keys = set()
     for threshold in (0, 1 << 20, 1 << 24):

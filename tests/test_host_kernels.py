@@ -403,7 +403,7 @@ def test_the_zoos_products_give_stricts_bits(name):
 
 # -- routing by size (host_kernel_min_flops) ------------------------------------------------------
 
-MIN_FLOPS = config.settings()["host_kernel_min_flops"].default
+MIN_FLOPS = host_products.COMPILED_MIN_FLOPS   # (torch.compile's default; defer mode's is 0)
 
 
 def _routed(fn, *args, **settings):
@@ -530,17 +530,32 @@ def test_the_threshold_is_part_of_every_programs_key(tmp_path):
             assert torch.equal(out[0], expected[0]) == stricts_bits, threshold
 
 
+def test_defer_mode_hosts_every_product_by_default_and_gives_stricts_bits():
+    """A product in defer mode may run on torch's kernel on one path (a first sighting, a lone
+    op, a segment at once) and in a program on another (its twin, an executable from the disk
+    cache): with every product on the host kernels both give strict's bits (a scripted model
+    and its saved and loaded twin: corpus/torchscript_roundtrip.py)."""
+    assert config.settings()["host_kernel_min_flops"].default == -1
+    args = _decode_operands()
+    expected = _decode_step(*args)
+    out, calls, products = _routed(_decode_step, *args, host_kernel_min_flops=-1)   # (the default)
+    assert len(calls) == 3 and products == 3
+    assert all(torch.equal(g, e) for g, e in zip(out, expected))
+
+
 def test_the_compile_backend_routes_by_size_too():
     torch._dynamo.reset()
     args = _decode_operands()
     expected = _decode_step(*args)
-    for threshold, wanted in ((MIN_FLOPS, 0), (0, 3)):
+    # (None: the setting left at its default, which is MIN_FLOPS under torch.compile)
+    for threshold, wanted in ((None, 0), (MIN_FLOPS, 0), (0, 3)):
         torch._dynamo.reset()
         executables.clear()
         deferfuse.reset_stats()
-        compiled = torch.compile(_decode_step, backend="deferfuse",
-                                 options={"host_kernel_min_flops": threshold, "cache_dir": ""})
-        out = compiled(*args)
+        options = {"cache_dir": ""} if threshold is None else {"host_kernel_min_flops": threshold, "cache_dir": ""}
+        compiled = torch.compile(_decode_step, backend="deferfuse", options=options)
+        with config.override(host_kernel_min_flops=-1):   # (the default, under this file's fixture)
+            out = compiled(*args)
         assert deferfuse.stats()["host_kernel_products"] == wanted, threshold
         assert _custom_calls().count('custom_call_target="deferfuse_host_') == wanted
         for got, want in zip(out, expected):

@@ -14,7 +14,6 @@ graph's metadata says.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import weakref
 from typing import Any, Optional
@@ -26,6 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import config
 from ..exec import executables, interop
+from ..lower import host_products
 from ..stats import STATS
 from .._lazy import lazy_import
 from . import checks as checks_
@@ -132,7 +132,12 @@ class CompiledGraph:
     def __call__(self, args: list) -> list:
         inputs = [_plain(x) for x in args]
         args.clear()
-        context = config.override(**self.settings) if self.settings else contextlib.nullcontext()
+        settings = self.settings
+        if "host_kernel_min_flops" not in settings and config.get("host_kernel_min_flops") < 0:
+            # (left at its default: a compiled graph's small products are XLA's dots, which
+            # torch.compile's closeness allows; defer mode's are all torch's kernels)
+            settings = {**settings, "host_kernel_min_flops": host_products.COMPILED_MIN_FLOPS}
+        context = config.override(**settings)
         # (the graph's own torch calls are real work on plain tensors: under an eager mode, such
         # as a backward called in a defer block, they must not be recorded)
         with context, _disable_current_modes():

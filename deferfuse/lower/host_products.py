@@ -75,12 +75,21 @@ def flops(ctx: LoweringContext) -> Optional[int]:
     return 2 * int(np.prod(a.shape, dtype=np.int64)) * int(b.shape[-1])
 
 
+# torch.compile's threshold where host_kernel_min_flops is left at its default (-1): float32's
+# crossover measured on the decode step's shapes (docs/performance.md); defer mode's is 0
+COMPILED_MIN_FLOPS = 1 << 24
+
+
 def pays(ctx: LoweringContext) -> bool:
     """Whether a product is large enough for the host kernel: at least ``host_kernel_min_flops``
     FLOPs.  Below that, one call into torch's kernel (and its OpenMP team) costs more than XLA's
     own dot, which XLA also fuses with its neighbours (docs/performance.md, "Products in the
-    host's kernels").  Shapes alone decide, never a timing: a program's bits do not depend on
-    the machine's state.  Convolutions are always hosted (small ones measured no worse)."""
+    host's kernels"), but XLA's dot sums in another order than torch's kernel: its bits are not
+    strict's.  So defer mode, whose results must be strict's whichever way a product runs (a
+    first sighting on torch's kernel, its twin in a program), hosts every product (the default,
+    -1, means 0 there); torch.compile's graphs (compile/runtime.py) take COMPILED_MIN_FLOPS.
+    Shapes alone decide, never a timing: a program's bits do not depend on the machine's
+    state.  Convolutions are always hosted (small ones measured no worse)."""
     threshold = config.get("host_kernel_min_flops")
     if threshold <= 0:
         return True
