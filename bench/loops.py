@@ -10,7 +10,8 @@ folder per round so that nothing is warm), alternating round by round.  A period
 loss only at the end.  For each cell: the loop's time (all steps, and the first 100), the
 compiles and distinct signatures (cache misses) defer mode made, and the peak resident memory of
 each, and the loop from its 15th step on.  ``--long N`` adds a run of the MLP for N steps, reading every 50, with its resident memory
-every 1,000 steps.  ``--models all``: the MLP and every zoo model that trains.  ``--lengths L``:
+every 1,000 steps.  ``--models all``: the MLP and every zoo model that trains.  ``--models sampler
+--periods 0``: ``corpus/sample_loop.py``, a loop with no optimizer that reads only at its end.  ``--lengths L``:
 a language model's batches take L token lengths in turn (a text loader without bucketing); the
 "from step L" columns then time the loop from its second epoch of lengths on.
 ``--deterministic``: both sides call ``torch.use_deterministic_algorithms(True)`` first.  Results:
@@ -34,7 +35,10 @@ from bench.zoo_models import SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "corpus" / "train_logging.py"
-DEFAULT_STEPS = {"mlp": 400, "llama": 100, "gpt2": 100}
+# a loop with no optimizer and no read until its end (a sampler's, an ODE integrator's shape):
+# the model "sampler", period 0 only
+SAMPLER = ROOT / "corpus" / "sample_loop.py"
+DEFAULT_STEPS = {"mlp": 400, "llama": 100, "gpt2": 100, "sampler": 500}
 
 
 def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir: str,
@@ -42,8 +46,13 @@ def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir
     """One loop in a fresh process; its report, with its stdout (the losses it printed)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         report_path = f.name
-    args = [str(CLIENT), "--model", model, "--period", str(period), "--steps", str(steps),
-            "--size", size, "--report", report_path, *extra_args]
+    if model == "sampler":
+        if period != 0 or extra_args:
+            raise ValueError("the sampler reads only at its end: --periods 0, no --lengths or --deterministic")
+        args = [str(SAMPLER), "--steps", str(steps), "--report", report_path]
+    else:
+        args = [str(CLIENT), "--model", model, "--period", str(period), "--steps", str(steps),
+                "--size", size, "--report", report_path, *extra_args]
     if mode == "strict":
         command = [sys.executable, *args]
     else:

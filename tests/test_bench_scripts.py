@@ -45,6 +45,18 @@ def test_loops_times_a_loop_of_changing_lengths_from_its_second_epoch(tmp_path, 
         assert 0 < row[side]["after_skip_s"] < row[side]["total_s"]
 
 
+def test_loops_times_a_loop_with_no_optimizer_that_reads_at_its_end(tmp_path, monkeypatch):
+    from bench import loops
+    monkeypatch.setattr(loops, "RESULTS_DIR", tmp_path)
+    assert loops.main(["--models", "sampler", "--periods", "0", "--rounds", "1", "--steps", "sampler=20",
+                       "--name", "t"]) == 0
+    (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert row["model"] == "sampler" and row["same_losses"]
+    assert row["strict"]["total_s"] > 0 and row["defer"]["total_s"] > 0
+    with pytest.raises(ValueError, match="reads only at its end"):
+        loops.main(["--models", "sampler", "--periods", "10", "--rounds", "1", "--name", "t"])
+
+
 def test_generate_times_compiled_generate_beside_strict_and_checks_its_tokens(tmp_path, monkeypatch, capsys):
     from bench import generate, harness
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
