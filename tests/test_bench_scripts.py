@@ -57,6 +57,17 @@ def test_loops_times_a_loop_with_no_optimizer_that_reads_at_its_end(tmp_path, mo
         loops.main(["--models", "sampler", "--periods", "10", "--rounds", "1", "--name", "t"])
 
 
+def test_read_cost_times_a_step_and_its_read_in_both_modes(tmp_path, monkeypatch, capsys):
+    from bench import read_cost
+    monkeypatch.setattr(read_cost, "RESULTS_DIR", tmp_path)
+    assert read_cost.main(["--steps", "120", "--rounds", "1", "--name", "t"]) == 0
+    found = json.loads((tmp_path / "t.json").read_text())
+    assert found["losses_agree"] and found["threads"] == 1
+    for mode in ("strict", "defer"):
+        assert 0 < found[mode]["read_us"] < found[mode]["step_us"]
+    assert "loss.item()" in capsys.readouterr().out
+
+
 def test_generate_times_compiled_generate_beside_strict_and_checks_its_tokens(tmp_path, monkeypatch, capsys):
     from bench import generate, harness
     monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
