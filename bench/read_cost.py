@@ -4,7 +4,7 @@
 
 Each round runs issue 40's MLP (corpus/train_logging.py's, AdamW) in two fresh processes, strict
 (plain ``python``) and defer (``python -m deferfuse --mode defer``, every setting at its
-default), alternating which goes first.  Inside each, every step is timed, and so is the
+default), alternating which goes first; each round's defer / strict ratio, and their median.  Inside each, every step is timed, and so is the
 ``loss.item()`` that ends it; the figures are medians over the steps from the 100th on (every
 step then runs at once, as the tiers choose for this loop), then over rounds.  ``--threads``
 sets OMP_NUM_THREADS for both (1 by default: with torch's two threads on a 2-core machine a
@@ -90,9 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     # (to the contract's closeness: a step the tiers run deferred rounds as XLA does)
     result["losses_agree"] = all(math.isclose(r["last"], runs["strict"][0]["last"], rel_tol=1e-4)
                                  for r in runs["defer"])
+    # (the two processes of a round ran back to back: this machine's speed drifts between
+    # rounds by up to 1.5x, so the ratio of each round's pair is the figure to read)
+    result["pair_ratios"] = [d["step_us"] / s["step_us"] for s, d in zip(runs["strict"], runs["defer"])]
+    result["pair_ratio"] = statistics.median(result["pair_ratios"])
     s, d = result["strict"], result["defer"]
     print(f"MLP step from step {SKIP}: strict {s['step_us']:.0f} us, defer {d['step_us']:.0f} us "
-          f"({d['step_us'] / s['step_us']:.3f}x); its loss.item(): strict {s['read_us']:.1f} us, "
+          f"(pair by pair: {result['pair_ratio']:.3f}x, from "
+          f"{min(result['pair_ratios']):.3f} to {max(result['pair_ratios']):.3f}); its loss.item(): strict {s['read_us']:.1f} us, "
           f"defer {d['read_us']:.1f} us; losses agree: {result['losses_agree']}")
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{args.name}.json"
