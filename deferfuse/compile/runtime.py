@@ -14,6 +14,7 @@ graph's metadata says.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import weakref
 from typing import Any, Optional
@@ -137,7 +138,7 @@ class CompiledGraph:
             # (left at its default: a compiled graph's small products are XLA's dots, which
             # torch.compile's closeness allows; defer mode's are all torch's kernels)
             settings = {**settings, "host_kernel_min_flops": host_products.COMPILED_MIN_FLOPS}
-        context = config.override(**settings)
+        context = config.override(**settings) if settings else contextlib.nullcontext()
         # (the graph's own torch calls are real work on plain tensors: under an eager mode, such
         # as a backward called in a defer block, they must not be recorded)
         with context, _disable_current_modes():

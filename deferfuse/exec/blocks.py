@@ -211,12 +211,17 @@ class BlockChoice:
             return True
         if self.unpriced is not None:
             return False   # (the last deferred run is priced against a run at once first)
+        return self.spent + self._trial_cost() <= share * self.elapsed + self.credit
+
+    def _trial_cost(self) -> float:
+        """What the next deferred run is expected to cost over a run at once: the last one's
+        cost, or before any, a first trial's estimate and ``trial_runs`` runs at once."""
         expected = self.trial
         if expected is None:
             expected = first_trial_estimate()
             if self.trial_runs and self.reference:
                 expected += self.trial_runs * _median(self.reference)
-        return self.spent + expected <= share * self.elapsed + self.credit
+        return expected
 
     def starting(self, at_once: bool) -> None:
         """A run starts, ``at_once`` or deferred.  It will be timed at once only if no compile is
@@ -284,8 +289,8 @@ class BlockChoice:
     def settled_runs(self) -> int:
         """How many runs at once may follow the next without being timed one by one (at most
         STREAK_MAX): while the choice is at once and its recheck is further away, or while the
-        deferred way waits for the budget and the runs at once that earn it are more.  None
-        while measuring, or while a remembered choice times this process's own first runs."""
+        deferred way waits for the budget and the runs at once that earn it are more.  0 while
+        measuring, or while a remembered choice times this process's own first runs."""
         phase = self.phase
         if phase is Phase.AT_ONCE:
             if self.remembered and self.median is None:
@@ -297,11 +302,8 @@ class BlockChoice:
         if share >= 1.0 or share <= 0.0:
             return 0
         run = _median(self.reference)
-        expected = self.trial
-        if expected is None:
-            expected = first_trial_estimate() + self.trial_runs * run
         # (the seconds at once still to run before a deferred run fits: may_try)
-        short = (self.spent + expected - self.credit) / share - self.elapsed
+        short = (self.spent + self._trial_cost() - self.credit) / share - self.elapsed
         if run <= 0.0 or short <= 0.0:
             return 0
         return max(0, min(STREAK_MAX, int(short / run) - 2))
