@@ -218,6 +218,17 @@ def use_on(platform: str) -> bool:
     return platform == PLATFORM and config.get("host_kernels") and ensure()
 
 
+def guest_calls() -> int:
+    """How many host-kernel calls this process ran on a thread made for the call, because XLA
+    called them on a thread of its own pool (host_kernels.cc, ``Run``): 0 before the library
+    is loaded."""
+    if not _registered:
+        return 0
+    count = _registered[0][1].deferfuse_host_guest_calls
+    count.restype = ctypes.c_int64
+    return int(count())
+
+
 def status() -> dict[str, Optional[str]]:
     """The library's path once registered, or why it is not (``error``); empty before first use."""
     return dict(_state)
