@@ -104,6 +104,7 @@ SLOW_TESTS = frozenset({
     "tests/test_bench_scripts.py::test_loops_times_a_loop_of_changing_lengths_from_its_second_epoch",
     "tests/test_bench_scripts.py::test_loops_times_a_loop_with_no_optimizer_that_reads_at_its_end",
     "tests/test_bench_scripts.py::test_read_cost_times_a_step_and_its_read_in_both_modes",
+    "tests/test_bench_scripts.py::test_openmp_teams_times_strict_before_and_after_deferred_steps",
     "tests/test_bench_scripts.py::test_generate_times_compiled_generate_beside_strict_and_checks_its_tokens",
     "tests/test_bench_scripts.py::test_compile_bench_shows_each_candidates_mfu",
     "tests/test_bench_scripts.py::test_xla_flags_times_the_jax_step_beside_strict_in_fresh_processes",

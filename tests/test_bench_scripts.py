@@ -141,3 +141,12 @@ def test_compile_bench_shows_each_candidates_mfu(capsys):
     expected = harness.mfu(flops.step_flops(zoo.MODELS["gpt2"], "tiny"), steady_ms / 1e3,
                            harness.peak_gflops())
     assert mfu_percent == pytest.approx(100 * expected, abs=0.06)
+
+
+def test_openmp_teams_times_strict_before_and_after_deferred_steps(tmp_path):
+    from bench import openmp_teams
+    out = tmp_path / "t.json"
+    assert openmp_teams.main(["--model", "gpt2", "--size", "tiny", "--steps", "2", "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    assert found["before"]["step_ms"] > 0 and found["after"]["mul_us"] > 0
+    assert found["guest_calls"] >= 0 and found["threads_after"]

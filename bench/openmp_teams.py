@@ -1,0 +1,110 @@
+"""Does running deferfuse's programs slow the user's own torch ops afterwards?
+
+    .venv/bin/python -m bench.openmp_teams [--model llama] [--steps 12] [--json PATH]
+
+In one process: strict's training step of a zoo model (and a lone 64x1024 ``mul_``, an op too
+small to hide a thread wake-up) timed, then the same model's step run deferred
+(``eager_blocks=False``, the products in the host kernels), then strict timed again.  A host
+kernel that XLA calls on a thread of its own pool once made torch's OpenMP team there, which
+outlived the call: with more OpenMP threads than cores, GNU OpenMP's idle workers sleep instead
+of spinning, and every parallel region after it paid a wake-up (deferfuse/native/host_kernels.cc,
+``Run``).  "after / before" is strict's time after the deferred steps over its time before:
+1.0 means deferfuse left torch as it found it.  Also printed: the host-kernel calls XLA made on
+its own threads (``hostkernels.guest_calls``; absent before that count existed) and the
+process's threads by name (an OpenMP worker takes the name of the thread that made it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from bench import zoo_models as zoo
+from bench.harness import RESULTS_DIR
+
+
+def _threads() -> dict[str, int]:
+    names = collections.Counter()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names[f.read().strip()] += 1
+        except OSError:
+            pass
+    return dict(names)
+
+
+def _median_ms(run, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _strict(step, small, steps: int) -> dict[str, float]:
+    step()
+    return {"step_ms": _median_ms(step, steps), "mul_us": _median_ms(small, 400) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama", choices=sorted(zoo.MODELS))
+    parser.add_argument("--size", default="small", choices=zoo.SIZES)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--json", default=str(RESULTS_DIR / "openmp_teams.json"))
+    args = parser.parse_args(argv)
+
+    import deferfuse
+    from deferfuse.native import hostkernels
+    model = zoo.MODELS[args.model]
+
+    def step_of(block):
+        network = model.make(args.size, seed=0)
+        optimizer = zoo.optimizer_for(network, model)
+        batch = model.batch(args.size, torch.Generator().manual_seed(1))
+
+        def step():
+            with block():
+                return zoo.train_step(network, model, optimizer, batch).item()
+        return step
+
+    import contextlib
+    strict_step = step_of(contextlib.nullcontext)
+    small = torch.randn(64, 1024)
+    mul = lambda: small.mul_(1.0)  # noqa: E731
+    before = _strict(strict_step, mul, args.steps)
+    threads_before = _threads()
+    deferred_step = step_of(deferfuse.defer)
+    with deferfuse.config.override(eager_blocks=False):
+        for _ in range(args.steps):
+            deferred_step()
+    after = _strict(strict_step, mul, args.steps)
+    guest = hostkernels.guest_calls() if hasattr(hostkernels, "guest_calls") else None
+    result = {"model": args.model, "size": args.size, "torch_threads": torch.get_num_threads(),
+              "before": before, "after": after,
+              "step_after_over_before": after["step_ms"] / before["step_ms"],
+              "mul_after_over_before": after["mul_us"] / before["mul_us"],
+              "guest_calls": guest, "threads_before": threads_before, "threads_after": _threads(),
+              "load_average": os.getloadavg()}
+    print(f"{args.model} ({args.size}), strict, torch threads {result['torch_threads']}: step "
+          f"{before['step_ms']:.1f} ms before the deferred steps, {after['step_ms']:.1f} after "
+          f"({result['step_after_over_before']:.2f}x); 64x1024 mul_ {before['mul_us']:.1f} us, "
+          f"{after['mul_us']:.1f} ({result['mul_after_over_before']:.2f}x); host-kernel calls on "
+          f"XLA's threads: {guest}; threads {result['threads_before']} -> {result['threads_after']}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"saved {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
