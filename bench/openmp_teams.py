@@ -26,7 +26,7 @@ import time
 import torch
 
 from bench import zoo_models as zoo
-from bench.harness import RESULTS_DIR
+from bench.harness import RESULTS_DIR, machine_info
 
 
 def _threads() -> dict[str, int]:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
               "step_after_over_before": after["step_ms"] / before["step_ms"],
               "mul_after_over_before": after["mul_us"] / before["mul_us"],
               "guest_calls": guest, "threads_before": threads_before, "threads_after": _threads(),
-              "load_average": os.getloadavg()}
+              "machine": machine_info()}
     print(f"{args.model} ({args.size}), strict, torch threads {result['torch_threads']}: step "
           f"{before['step_ms']:.1f} ms before the deferred steps, {after['step_ms']:.1f} after "
           f"({result['step_after_over_before']:.2f}x); 64x1024 mul_ {before['mul_us']:.1f} us, "
