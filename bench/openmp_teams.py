@@ -12,6 +12,12 @@ of spinning, and every parallel region after it paid a wake-up (deferfuse/native
 1.0 means deferfuse left torch as it found it.  Also printed: the host-kernel calls XLA made on
 its own threads (``hostkernels.guest_calls``; absent before that count existed) and the
 process's threads by name (an OpenMP worker takes the name of the thread that made it).
+
+    .venv/bin/python -m bench.openmp_teams --thread-cost
+
+times instead what the fix costs each such call, in a small C++ program built with the C++
+compiler (``CXX``, else ``g++``) and GNU OpenMP: a thread made, a 2-thread OpenMP region run
+on it, the thread joined; beside a region on the calling thread's own team, and a bare thread.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -54,13 +63,65 @@ def _strict(step, small, steps: int) -> dict[str, float]:
     return {"step_ms": _median_ms(step, steps), "mul_us": _median_ms(small, 400) * 1e3}
 
 
+THREAD_COST = r"""
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+#include <vector>
+#include <omp.h>
+int main() {
+  volatile double sink = 0;
+  auto region = [&] {
+    #pragma omp parallel num_threads(2)
+    { sink = sink + omp_get_thread_num(); }
+  };
+  region();
+  std::vector<double> made, home, bare;
+  auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
+  for (int i = 0; i < 200; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    std::thread([&] { region(); }).join();
+    auto t1 = std::chrono::steady_clock::now();
+    region();
+    auto t2 = std::chrono::steady_clock::now();
+    std::thread([&] { sink = sink + 1; }).join();
+    auto t3 = std::chrono::steady_clock::now();
+    made.push_back(us(t0, t1)); home.push_back(us(t1, t2)); bare.push_back(us(t2, t3));
+  }
+  for (auto* v : {&made, &home, &bare}) std::sort(v->begin(), v->end());
+  std::printf("a thread made for a 2-thread OpenMP region: median %.1f us, p90 %.1f\n", made[100], made[180]);
+  std::printf("the region on the calling thread's team: median %.1f us\n", home[100]);
+  std::printf("a thread made and joined, no region: median %.1f us\n", bare[100]);
+}
+"""
+
+
+def thread_cost() -> int:
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        print(f"no C++ compiler {compiler!r} (set CXX)")
+        return 1
+    with tempfile.TemporaryDirectory() as folder:
+        source, program = os.path.join(folder, "cost.cc"), os.path.join(folder, "cost")
+        with open(source, "w") as f:
+            f.write(THREAD_COST)
+        subprocess.run([compiler, "-O2", "-fopenmp", source, "-o", program], check=True)
+        print(subprocess.run([program], check=True, capture_output=True, text=True).stdout, end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama", choices=sorted(zoo.MODELS))
     parser.add_argument("--size", default="small", choices=zoo.SIZES)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", default=str(RESULTS_DIR / "openmp_teams.json"))
+    parser.add_argument("--thread-cost", action="store_true",
+                        help="time what a thread made for a call costs (C++), and nothing else")
     args = parser.parse_args(argv)
+    if args.thread_cost:
+        return thread_cost()
 
     import deferfuse
     from deferfuse.native import hostkernels

@@ -150,3 +150,12 @@ def test_openmp_teams_times_strict_before_and_after_deferred_steps(tmp_path):
     found = json.loads(out.read_text())
     assert found["before"]["step_ms"] > 0 and found["after"]["mul_us"] > 0
     assert found["guest_calls"] >= 0 and found["threads_after"]
+
+
+def test_openmp_teams_times_a_thread_made_for_a_call(capsys):
+    import shutil
+    from bench import openmp_teams
+    if shutil.which("g++") is None:
+        pytest.skip("no g++: the host kernels are not built here either")
+    assert openmp_teams.main(["--thread-cost"]) == 0
+    assert "a thread made for a 2-thread OpenMP region: median" in capsys.readouterr().out
