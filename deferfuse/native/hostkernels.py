@@ -90,7 +90,8 @@ def compile_command() -> tuple[str, ...]:
     command += [SOURCE]
     for path in libraries:
         command += ["-L" + path, "-Wl,-rpath," + path]
-    return tuple(command + ["-ltorch_cpu", "-lc10"])
+    # (-ldl: dlsym, in libc itself from glibc 2.34, in libdl before)
+    return tuple(command + ["-ltorch_cpu", "-lc10", "-ldl"])
 
 
 @functools.cache
