@@ -439,11 +439,19 @@ def save_results(name: str, results: list[Result], extra: dict[str, Any] | None 
     payload = {"machine": machine_info(), "results": [r.as_dict() for r in results]}
     if extra:
         payload.update(extra)
-    path = RESULTS_DIR / f"{name}.json"
-    temporary = path.with_suffix(".json.tmp")
+    path = write_json(RESULTS_DIR / f"{name}.json", payload)
+    plot_results(name, results)
+    return path
+
+
+def write_json(path: Path | str, payload: Any) -> Path:
+    """Write ``payload`` to ``path`` as indented JSON, whole (a temporary file renamed), making
+    its folder; the bench scripts' results."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
     temporary.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     temporary.replace(path)
-    plot_results(name, results)
     return path
 
 

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.harness import RESULTS_DIR, machine_info
+from bench.harness import RESULTS_DIR, machine_info, write_json
 from bench.zoo_models import SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         result["long"] = long_run(args.long, args.size)
     print()
     print(table(rows))
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"{args.name}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nwritten: {path}")
+    print(f"\nwritten: {write_json(RESULTS_DIR / f'{args.name}.json', result)}")
     return 0
 
 

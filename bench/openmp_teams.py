@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shutil
 import statistics
@@ -35,7 +34,7 @@ import time
 import torch
 
 from bench import zoo_models as zoo
-from bench.harness import RESULTS_DIR, machine_info
+from bench.harness import RESULTS_DIR, machine_info, write_json
 
 
 def _threads() -> dict[str, int]:
@@ -160,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({result['step_after_over_before']:.2f}x); 64x1024 mul_ {before['mul_us']:.1f} us, "
           f"{after['mul_us']:.1f} ({result['mul_after_over_before']:.2f}x); host-kernel calls on "
           f"XLA's threads: {guest}; threads {result['threads_before']} -> {result['threads_after']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"saved {args.json}")
+    print(f"written: {write_json(args.json, result)}")
     return 0
 
 

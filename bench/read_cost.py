@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.harness import RESULTS_DIR, machine_info
+from bench.harness import RESULTS_DIR, machine_info, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = 100
@@ -99,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(pair by pair: {result['pair_ratio']:.3f}x, from "
           f"{min(result['pair_ratios']):.3f} to {max(result['pair_ratios']):.3f}); its loss.item(): strict {s['read_us']:.1f} us, "
           f"defer {d['read_us']:.1f} us; losses agree: {result['losses_agree']}")
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"{args.name}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"written: {path}")
+    print(f"written: {write_json(RESULTS_DIR / f'{args.name}.json', result)}")
     return 0
 
 
