@@ -135,6 +135,9 @@ def _after_fork_in_child() -> None:
     executables = sys.modules.get("deferfuse.exec.executables")
     if executables is not None:   # (not imported: nothing compiled, nothing to forget)
         executables.after_fork_in_child()
+    hostkernels = sys.modules.get("deferfuse.native.hostkernels")
+    if hostkernels is not None:
+        hostkernels.after_fork_in_child()
 
 
 def note_defer_at_once() -> None:

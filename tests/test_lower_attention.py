@@ -26,6 +26,14 @@ INF = float("inf")
 sdpa = F.scaled_dot_product_attention
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["host-kernel", "xla"])
+def host_kernels(request):
+    """Each case twice: on the CPU the flash-attention ops call torch's own kernel inside the
+    program (lower/host_products.py); elsewhere, or with host_kernels off, they lower to XLA."""
+    with deferfuse.config.override(host_kernels=request.param):
+        yield request.param
+
+
 def lowered(fn, *inputs):
     """Compared with strict at torch.testing's default tolerances for the dtype; nothing fell
     back to eager torch or went through a decomposition."""

@@ -282,9 +282,7 @@ class _Run:
         inputs = [self.jax_value(s) for s in p.inputs]
         check_nans = config.get("check_nans")
         finite_inputs = check_nans and not checks_.has_nonfinite(inputs)
-        with executables.x64():
-            results, failed, details = compiled.executable(inputs, np.zeros((0,), dtype=np.float64))
-            jax.block_until_ready(results)
+        results, failed, details = executables.run(compiled, inputs, np.zeros((0,), dtype=np.float64))
         STATS.executions += 1
         if compiled.checks:
             for flag, value, (position, error, message) in zip(np.asarray(failed), np.asarray(details), compiled.checks):

@@ -411,10 +411,11 @@ def _decode(key: str, data: bytes) -> tuple[list[str], bytes]:
 
 
 def load(signature: Any, n_inputs: Optional[int] = None, n_scalars: Optional[int] = None
-         ) -> Optional[tuple[Any, int, list]]:
+         ) -> Optional[tuple[Any, int, list, list[str]]]:
     """The executable saved for ``signature`` (taking ``n_inputs`` inputs and ``n_scalars``
-    runtime scalars, when given), with its scalar count and runtime checks; None on a miss (or
-    a bad entry: counted, logged once, and compiled again by the caller)."""
+    runtime scalars, when given), with its scalar count, runtime checks and the custom-call
+    targets it needs; None on a miss (or a bad entry: counted, logged once, and compiled again
+    by the caller)."""
     folder = cache_dir()
     key = _key(signature) if folder else None
     if key is None:
@@ -459,19 +460,20 @@ def load(signature: Any, n_inputs: Optional[int] = None, n_scalars: Optional[int
     _touch(path)
     STATS.disk_cache_hits += 1
     _count("hits")
-    return executable, metadata.n_scalars, metadata.checks
+    return executable, metadata.n_scalars, metadata.checks, targets
 
 
-def save(signature: Any, executable: Any, n_scalars: int, checks: list) -> None:
-    """Write ``executable`` (a JAX ``Compiled`` of a Program, just compiled for ``signature``)
-    to the cache folder."""
+def save(signature: Any, executable: Any, n_scalars: int, checks: list,
+         targets: Optional[Iterable[str]] = None) -> None:
+    """Write ``executable`` (a JAX ``Compiled`` of a Program, just compiled for ``signature``,
+    calling ``targets``: read from its HLO when not given) to the cache folder."""
     folder = cache_dir()
     key = _key(signature) if folder else None
     if key is None:
         _count("not_saved")
         return
     try:
-        targets = custom_call_targets(executable)
+        targets = custom_call_targets(executable) if targets is None else list(targets)
         refusal = unsaveable_reason(targets)
         if refusal is None:
             try:

@@ -16,11 +16,14 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
 
 from .. import config
 from ..ir.graph import Value
 from ..lower import dtypes as dtypes_
+from ..native import hostkernels
 from ..stats import STATS
 from . import autotune, backend, diskcache
 from .profiling import profile_range
@@ -39,11 +42,14 @@ class Compiled:
     ``Compiled``, or one loaded from the disk cache (entryformat.LoadedProgram)."""
 
     __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower", "nbytes", "origin",
-                 "runs")
+                 "runs", "targets", "hosted")
 
     def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]],
-                 lowered: Any = None) -> None:
+                 lowered: Any = None, targets: Iterable[str] = ()) -> None:
         self.executable = executable
+        self.targets = tuple(targets)    # the custom-call targets it calls
+        # whether the host kernels are among them: its runs are then served (run())
+        self.hosted = any(t.startswith(hostkernels.TARGET_PREFIX) for t in self.targets)
         self.lowered = lowered
         self.n_scalars = n_scalars
         self.checks = checks
@@ -197,6 +203,19 @@ def allow_compiles(seconds: Optional[float]) -> None:
     _ALLOWANCE.seconds = seconds
 
 
+def run(compiled: Compiled, inputs: list, scalars: np.ndarray) -> tuple[list, Any, Any]:
+    """Run ``compiled`` on JAX arrays and wait for it: ``(results, failed, details)``.  A program
+    that calls the host kernels runs served: this thread runs its kernels on its own OpenMP team
+    while a driver thread runs the program (native/hostkernels.served)."""
+    def call() -> tuple[list, Any, Any]:
+        with x64():
+            out = compiled.executable(inputs, scalars)
+            # (DLPack export does not wait for the computation: torch must not see unfinished buffers)
+            jax.block_until_ready(out[0])
+            return out
+    return hostkernels.served(call) if compiled.hosted else call()
+
+
 def compile_program(program: Program, input_avals: tuple, n_scalars: int, n_nodes: int = 0) -> Compiled:
     started = time.perf_counter()
     with profile_range("deferfuse.compile"):
@@ -209,7 +228,8 @@ def compile_program(program: Program, input_avals: tuple, n_scalars: int, n_node
     # system: malloc_tuning keeps freed memory mapped, for the executions' buffers)
     backend.release_free_memory()
     STATS.compiles += 1
-    return Compiled(executable, n_scalars, list(program.checks), lowered)
+    return Compiled(executable, n_scalars, list(program.checks), lowered,
+                    diskcache.custom_call_targets(executable))
 
 
 def stablehlo_text(signature: Any) -> str:
@@ -234,7 +254,7 @@ def _compile_and_store(sig: Any, program: Program, avals: tuple, n_scalars: int,
     compiled.nbytes = max(1, _code_regions() - regions) * KERNEL_BYTES
     compiled.signature = sig
     _store(sig, compiled)
-    diskcache.save(sig, compiled.executable, n_scalars, compiled.checks)
+    diskcache.save(sig, compiled.executable, n_scalars, compiled.checks, compiled.targets)
     return compiled
 
 
@@ -359,7 +379,8 @@ def load_from_disk(sig: Any, make_program, avals: tuple, n_scalars: int) -> Opti
     loaded = diskcache.load(sig, len(avals), n_scalars)
     if loaded is None:
         return None
-    compiled = Compiled(*loaded)
+    executable, n_scalars, checks, targets = loaded
+    compiled = Compiled(executable, n_scalars, checks, None, targets)
     compiled.nbytes = max(1, _code_regions() - regions) * KERNEL_BYTES
     compiled.signature = sig
     compiled.origin = "disk"

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from . import dtypes as _dtypes
-from . import normalization, xla_fixes
+from . import host_products, normalization, xla_fixes
 from .registry import LoweringContext, lowering, replay_on_cpu
 from .._lazy import lazy_import
 
@@ -200,6 +200,8 @@ def _ungrouped(x):
 @lowering(aten._scaled_dot_product_flash_attention_for_cpu.default, check=_check_flash)
 def flash_attention(ctx, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                     scale=None):
+    if host_products.applies(ctx):   # (torch's own kernel, on the CPU: strict's bits)
+        return host_products.flash_attention(ctx, query, key, value, is_causal, attn_mask, scale)
     dtype = query.dtype
     acc = _acc(dtype)
     q, k, v = (_widened(t) for t in (query, key, value))
@@ -283,6 +285,9 @@ def _fast_exp(x):
 @lowering(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, check=_check_flash_backward)
 def flash_attention_backward(ctx, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
                              *, attn_mask=None, scale=None):
+    if host_products.applies(ctx):
+        return host_products.flash_attention_backward(ctx, grad_out, query, key, value, out, logsumexp,
+                                                      is_causal, attn_mask, scale)
     dtype = query.dtype
     acc = _acc(dtype)
     q, k, v, g, o = (_widened(t) for t in (query, key, value, grad_out, out))

@@ -49,13 +49,17 @@ jnp = lazy_import("jax.numpy", globals(), "jnp")
 
 aten = torch.ops.aten
 
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 # the dtypes torch's CPU gemm takes that the handlers wrap (integer products stay XLA's: exact)
 DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 _TARGETS = {aten.mm.default: hostkernels.TARGETS["mm"], aten.bmm.default: hostkernels.TARGETS["bmm"],
             aten.addmm.default: hostkernels.TARGETS["addmm"],
             aten.baddbmm.default: hostkernels.TARGETS["baddbmm"],
             aten.convolution.default: hostkernels.TARGETS["convolution"],
-            aten.convolution_backward.default: hostkernels.TARGETS["convolution_backward"]}
+            aten.convolution_backward.default: hostkernels.TARGETS["convolution_backward"],
+            _FLASH: hostkernels.TARGETS["_scaled_dot_product_flash_attention_for_cpu"],
+            _FLASH_BACKWARD: hostkernels.TARGETS["_scaled_dot_product_flash_attention_for_cpu_backward"]}
 
 
 def takes(op: Any, dtype: torch.dtype) -> bool:
@@ -68,7 +72,7 @@ _PRODUCTS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, at
 
 def flops(ctx: LoweringContext) -> Optional[int]:
     """The FLOPs of a matrix product (2*M*K*N, times the batch of a bmm), from its operands'
-    shapes; None for a convolution (always hosted: see ``pays``)."""
+    shapes; None for a convolution or an attention (always hosted: see ``pays``)."""
     if ctx.op not in _PRODUCTS:
         return None
     a, b = ctx.args[:2] if ctx.op in (aten.mm.default, aten.bmm.default) else ctx.args[1:3]
@@ -89,7 +93,8 @@ def pays(ctx: LoweringContext) -> bool:
     first sighting on torch's kernel, its twin in a program), hosts every product (the default,
     -1, means 0 there); torch.compile's graphs (compile/runtime.py) take COMPILED_MIN_FLOPS.
     Shapes alone decide, never a timing: a program's bits do not depend on the machine's
-    state.  Convolutions are always hosted (small ones measured no worse)."""
+    state.  Convolutions and attention are always hosted (small convolutions measured no worse;
+    XLA's attention is several fusions and dots where torch's is one kernel)."""
     threshold = config.get("host_kernel_min_flops")
     if threshold <= 0:
         return True
@@ -253,3 +258,52 @@ def convolution_backward(ctx: LoweringContext, grad_output: Any, x: Any, w: Any,
     types, inverses = _results(metas, attributes)
     outs = jax.ffi.ffi_call(_TARGETS[ctx.op], types)(*arrays, **attributes)
     return tuple(_logical(o, inv) for o, inv, m in zip(outs, inverses, output_mask) if m)
+
+
+def _attention_operands(ctx: LoweringContext, named: tuple, attn_mask: Any, scale: Any,
+                        is_causal: Any) -> tuple[list, dict]:
+    """The operands and attributes shared by the flash-attention calls: ``named`` (name, array,
+    meta) in order, then the mask (an empty operand, not viewed, when absent) and the scale (a
+    float64 operand: it may be a runtime scalar; 0 and ``has_scale`` 0 when absent)."""
+    arrays, attributes = [], {}
+    for name, array, meta in named:
+        array, attributes[f"{name}_sizes"], attributes[f"{name}_strides"] = operand(array, meta)
+        arrays.append(array)
+    mask_meta = ctx.kwargs.get("attn_mask")
+    if mask_meta is None:
+        arrays.append(jnp.zeros((0,), arrays[0].dtype))
+        attributes["attn_mask_sizes"] = attributes["attn_mask_strides"] = np.zeros((1,), np.int64)
+    else:
+        array, attributes["attn_mask_sizes"], attributes["attn_mask_strides"] = operand(attn_mask, mask_meta)
+        arrays.append(array)
+    arrays.append(jnp.asarray(0.0 if scale is None else scale, np.float64))
+    attributes["has_mask"] = np.int64(mask_meta is not None)
+    attributes["has_scale"] = np.int64(scale is not None)
+    attributes["is_causal"] = np.int64(bool(is_causal))
+    return arrays, attributes
+
+
+def flash_attention(ctx: LoweringContext, q: Any, k: Any, v: Any, is_causal: Any, attn_mask: Any,
+                    scale: Any) -> tuple:
+    """``_scaled_dot_product_flash_attention_for_cpu`` through the host kernel (dropout 0,
+    which the lowering's check has made sure of): (output, logsumexp) as strict lays them out."""
+    q_meta, k_meta, v_meta = ctx.args[:3]
+    arrays, attributes = _attention_operands(
+        ctx, (("query", q, q_meta), ("key", k, k_meta), ("value", v, v_meta)), attn_mask, scale, is_causal)
+    types, inverses = _results(tuple(ctx.out[:2]), attributes)
+    outs = jax.ffi.ffi_call(_TARGETS[ctx.op], types)(*arrays, **attributes)
+    return tuple(_logical(o, inv) for o, inv in zip(outs, inverses))
+
+
+def flash_attention_backward(ctx: LoweringContext, grad_out: Any, q: Any, k: Any, v: Any, out: Any,
+                             logsumexp: Any, is_causal: Any, attn_mask: Any, scale: Any) -> tuple:
+    """``_scaled_dot_product_flash_attention_for_cpu_backward`` through the host kernel:
+    (grad_query, grad_key, grad_value) as strict lays them out."""
+    g_meta, q_meta, k_meta, v_meta, o_meta, lse_meta = ctx.args[:6]
+    arrays, attributes = _attention_operands(
+        ctx, (("grad_out", grad_out, g_meta), ("query", q, q_meta), ("key", k, k_meta),
+              ("value", v, v_meta), ("out", out, o_meta), ("logsumexp", logsumexp, lse_meta)),
+        attn_mask, scale, is_causal)
+    types, inverses = _results(tuple(ctx.out[:3]), attributes)
+    outs = jax.ffi.ffi_call(_TARGETS[ctx.op], types)(*arrays, **attributes)
+    return tuple(_logical(o, inv) for o, inv in zip(outs, inverses))

@@ -15,8 +15,14 @@
 // builds this file and registers the handlers; deferfuse/lower/host_products.py calls them.
 
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -32,6 +38,8 @@
 #include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -122,19 +130,72 @@ bool PythonThread() {
 }
 
 std::atomic<int64_t> guest_calls{0};
+std::atomic<int64_t> served_calls{0};
+std::atomic<int64_t> kernel_ns{0};
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 template <typename Call>
 ffi::Error RunHere(Call& call) {
   InitThreads();
   BelowPython below;
+  const int64_t started = NowNs();
+  ffi::Error result = ffi::Error::Success();
   try {
     call();
   } catch (const c10::Error& e) {
-    return ffi::Error::Internal(std::string("deferfuse host kernel: ") + e.what_without_backtrace());
+    result = ffi::Error::Internal(std::string("deferfuse host kernel: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("deferfuse host kernel: ") + e.what());
+    result = ffi::Error::Internal(std::string("deferfuse host kernel: ") + e.what());
   }
-  return ffi::Error::Success();
+  kernel_ns.fetch_add(NowNs() - started, std::memory_order_relaxed);
+  return result;
+}
+
+// Serving.  XLA starts a program on the thread that calls it, but once a fused kernel has been
+// split over its intra-op pool the rest of the program goes on on whichever pool thread
+// finished last, so in a training step's program every product was called on one of XLA's
+// threads.  There a kernel cannot use the OpenMP team of the user's thread, which strict's
+// kernels use (warm, spinning, with MKL's buffers made): on a thread made for the call it took
+// 1.8x strict's time (a Llama step's 87 products: 130 ms against 70).  So the user's thread
+// serves: hostkernels.served() hands the program's run to a driver thread, and the user's
+// thread waits here for the kernels that program calls, runs each on its own team, and comes
+// back when the driver says the run is over.  One thread serves at a time; while it does, a
+// kernel called on any other thread is handed to it (one team runs every product, one after
+// the other, as in strict).
+struct Request {
+  std::function<ffi::Error()> run;
+  std::optional<ffi::Error> error;
+};
+
+struct Server {
+  std::mutex mu;
+  std::condition_variable requested;   // a request queued, or the run is over
+  std::condition_variable answered;    // a request done
+  std::deque<Request*> queue;
+  bool serving = false;
+  bool over = false;
+  pthread_t thread{};
+};
+
+Server* server = new Server();   // (never destroyed: XLA's threads may call at exit)
+
+// Hands call to the serving thread and waits for it; false if no thread serves (or this is it).
+template <typename Call>
+bool Handed(Call& call, ffi::Error* result) {
+  Server& s = *server;
+  std::unique_lock<std::mutex> lock(s.mu);
+  if (!s.serving || pthread_equal(s.thread, pthread_self())) return false;
+  Request request{[&] { return RunHere(call); }, std::nullopt};
+  s.queue.push_back(&request);
+  s.requested.notify_one();
+  s.answered.wait(lock, [&] { return request.error.has_value(); });
+  *result = std::move(*request.error);
+  served_calls.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 // torch's kernels parallelize with OpenMP, and GNU OpenMP gives every thread that starts a
@@ -142,11 +203,14 @@ ffi::Error RunHere(Call& call) {
 // threads lives as long as the process, and once OpenMP manages more threads than there are
 // cores, every team's idle workers stop spinning and sleep: each parallel region of the user's
 // own torch ops then pays a wake-up (a 64x1024 mul_ went from 7 to 83 us, an AdamW step over
-// 50 tensors from 8 to 50 ms, after one deferred RMSNorm + SwiGLU block).  So on a thread
-// Python does not know, the kernel runs on a thread made for the call, with torch's thread
-// count (strict's kernel, hence strict's bits), and its team goes when that thread ends.
+// 50 tensors from 8 to 50 ms, after one deferred RMSNorm + SwiGLU block).  So a kernel runs on
+// the serving thread, or on a thread Python knows (the user's threads, which hold torch's team
+// anyway), and elsewhere (a program run without a server) on a thread made for the call, with
+// torch's thread count (strict's kernel, hence strict's bits), whose team goes when it ends.
 template <typename Call>
 ffi::Error Run(Call call) {
+  ffi::Error handed = ffi::Error::Success();
+  if (Handed(call, &handed)) return handed;
   thread_local const bool home = PythonThread();
   if (home) return RunHere(call);
   std::optional<ffi::Error> error;
@@ -285,9 +349,129 @@ ffi::Error ConvolutionBackward(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::AnyBuffe
   });
 }
 
+// Scaled dot-product attention: torch's CPU flash-attention kernel and its backward, the ops
+// strict's F.scaled_dot_product_attention and its autograd call, on the same layouts (the
+// query, key and value are views of the projections, heads transposed).  The mask is optional
+// (an empty operand, not viewed, when absent), as is the scale (a float64 operand: it may be a
+// runtime scalar).  The results are copied into XLA's buffers viewed with strict's strides.
+struct Attention {
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> mask;
+  std::optional<double> scale;
+};
+
+ffi::Error AttentionOperands(ffi::AnyBuffer q, Dims q_sizes, Dims q_strides, ffi::AnyBuffer k,
+                             Dims k_sizes, Dims k_strides, ffi::AnyBuffer v, Dims v_sizes,
+                             Dims v_strides, ffi::AnyBuffer mask, Dims mask_sizes,
+                             Dims mask_strides, int64_t has_mask, Factor scale, int64_t has_scale,
+                             Attention* out) {
+  DEFERFUSE_TRY(View("query", q, q_sizes, q_strides, &out->q));
+  DEFERFUSE_TRY(View("key", k, k_sizes, k_strides, &out->k));
+  DEFERFUSE_TRY(View("value", v, v_sizes, v_strides, &out->v));
+  if (has_mask) {
+    at::Tensor tm;
+    DEFERFUSE_TRY(View("attn_mask", mask, mask_sizes, mask_strides, &tm));
+    out->mask = tm;
+  }
+  if (has_scale) out->scale = *scale.typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashAttention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                          Factor scale, Dims q_sizes, Dims q_strides, Dims k_sizes, Dims k_strides,
+                          Dims v_sizes, Dims v_strides, Dims mask_sizes, Dims mask_strides,
+                          Dims out0_sizes, Dims out0_strides, Dims out1_sizes, Dims out1_strides,
+                          int64_t has_mask, int64_t has_scale, int64_t is_causal,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> logsumexp) {
+  Attention a;
+  DEFERFUSE_TRY(AttentionOperands(q, q_sizes, q_strides, k, k_sizes, k_strides, v, v_sizes, v_strides,
+                                  mask, mask_sizes, mask_strides, has_mask, scale, has_scale, &a));
+  at::Tensor to, tl;
+  DEFERFUSE_TRY(ResultView("output", out, out0_sizes, out0_strides, &to));
+  DEFERFUSE_TRY(ResultView("logsumexp", logsumexp, out1_sizes, out1_strides, &tl));
+  return Run([&] {
+    auto [ro, rl] = at::_scaled_dot_product_flash_attention_for_cpu(a.q, a.k, a.v, 0.0, is_causal != 0,
+                                                                     a.mask, a.scale);
+    to.copy_(ro);
+    tl.copy_(rl);
+  });
+}
+
+ffi::Error FlashAttentionBackward(ffi::AnyBuffer g, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                  ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                                  ffi::AnyBuffer mask, Factor scale, Dims g_sizes, Dims g_strides,
+                                  Dims q_sizes, Dims q_strides, Dims k_sizes, Dims k_strides,
+                                  Dims v_sizes, Dims v_strides, Dims o_sizes, Dims o_strides,
+                                  Dims lse_sizes, Dims lse_strides, Dims mask_sizes,
+                                  Dims mask_strides, Dims out0_sizes, Dims out0_strides,
+                                  Dims out1_sizes, Dims out1_strides, Dims out2_sizes,
+                                  Dims out2_strides, int64_t has_mask, int64_t has_scale,
+                                  int64_t is_causal, ffi::Result<ffi::AnyBuffer> grad_q,
+                                  ffi::Result<ffi::AnyBuffer> grad_k,
+                                  ffi::Result<ffi::AnyBuffer> grad_v) {
+  Attention a;
+  DEFERFUSE_TRY(AttentionOperands(q, q_sizes, q_strides, k, k_sizes, k_strides, v, v_sizes, v_strides,
+                                  mask, mask_sizes, mask_strides, has_mask, scale, has_scale, &a));
+  at::Tensor tg, to, tl, gq, gk, gv;
+  DEFERFUSE_TRY(View("grad_out", g, g_sizes, g_strides, &tg));
+  DEFERFUSE_TRY(View("out", o, o_sizes, o_strides, &to));
+  DEFERFUSE_TRY(View("logsumexp", lse, lse_sizes, lse_strides, &tl));
+  DEFERFUSE_TRY(ResultView("grad_query", grad_q, out0_sizes, out0_strides, &gq));
+  DEFERFUSE_TRY(ResultView("grad_key", grad_k, out1_sizes, out1_strides, &gk));
+  DEFERFUSE_TRY(ResultView("grad_value", grad_v, out2_sizes, out2_strides, &gv));
+  return Run([&] {
+    auto [rq, rk, rv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        tg, a.q, a.k, a.v, to, tl, 0.0, is_causal != 0, a.mask, a.scale);
+    gq.copy_(rq);
+    gk.copy_(rk);
+    gv.copy_(rv);
+  });
+}
+
 }  // namespace
 
-// How many calls ran on a thread made for them (hostkernels.guest_calls()).
+// Serving (hostkernels.served): begin on the user's thread before the driver starts the program,
+// serve there until the driver calls end, which it does when the run is over (or failed).
+extern "C" void deferfuse_host_serve_begin() {
+  std::lock_guard<std::mutex> lock(server->mu);
+  server->serving = true;
+  server->over = false;
+  server->thread = pthread_self();
+}
+
+extern "C" void deferfuse_host_serve() {
+  Server& s = *server;
+  std::unique_lock<std::mutex> lock(s.mu);
+  for (;;) {
+    s.requested.wait(lock, [&] { return !s.queue.empty() || s.over; });
+    while (!s.queue.empty()) {
+      Request* request = s.queue.front();
+      s.queue.pop_front();
+      lock.unlock();
+      ffi::Error result = request->run();
+      lock.lock();
+      request->error.emplace(std::move(result));
+      s.answered.notify_all();
+    }
+    if (s.over) break;
+  }
+  s.serving = false;
+}
+
+extern "C" void deferfuse_host_serve_end() {
+  std::lock_guard<std::mutex> lock(server->mu);
+  server->over = true;
+  server->requested.notify_one();
+}
+
+// A forked child has none of its parent's other threads: nothing serves there, and the lock
+// may have been held by a thread that is gone.
+static void AtForkChild() { server = new Server(); }
+static const int at_fork = pthread_atfork(nullptr, nullptr, AtForkChild);
+
+// How many calls ran on a thread made for them / on the serving thread; nanoseconds in kernels.
+extern "C" int64_t deferfuse_host_served_calls() { return served_calls.load(std::memory_order_relaxed); }
+extern "C" int64_t deferfuse_host_kernel_ns() { return kernel_ns.load(std::memory_order_relaxed); }
 extern "C" int64_t deferfuse_host_guest_calls() { return guest_calls.load(std::memory_order_relaxed); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution, Convolution,
@@ -338,6 +522,68 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution_backward, ConvolutionBa
                                   .Attr<Dims>("output_padding")
                                   .Attr<int64_t>("groups")
                                   .Attr<Dims>("output_mask")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_flash_attention, FlashAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Factor>()
+                                  .Attr<Dims>("query_sizes")
+                                  .Attr<Dims>("query_strides")
+                                  .Attr<Dims>("key_sizes")
+                                  .Attr<Dims>("key_strides")
+                                  .Attr<Dims>("value_sizes")
+                                  .Attr<Dims>("value_strides")
+                                  .Attr<Dims>("attn_mask_sizes")
+                                  .Attr<Dims>("attn_mask_strides")
+                                  .Attr<Dims>("out0_sizes")
+                                  .Attr<Dims>("out0_strides")
+                                  .Attr<Dims>("out1_sizes")
+                                  .Attr<Dims>("out1_strides")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_scale")
+                                  .Attr<int64_t>("is_causal")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_flash_attention_backward, FlashAttentionBackward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Factor>()
+                                  .Attr<Dims>("grad_out_sizes")
+                                  .Attr<Dims>("grad_out_strides")
+                                  .Attr<Dims>("query_sizes")
+                                  .Attr<Dims>("query_strides")
+                                  .Attr<Dims>("key_sizes")
+                                  .Attr<Dims>("key_strides")
+                                  .Attr<Dims>("value_sizes")
+                                  .Attr<Dims>("value_strides")
+                                  .Attr<Dims>("out_sizes")
+                                  .Attr<Dims>("out_strides")
+                                  .Attr<Dims>("logsumexp_sizes")
+                                  .Attr<Dims>("logsumexp_strides")
+                                  .Attr<Dims>("attn_mask_sizes")
+                                  .Attr<Dims>("attn_mask_strides")
+                                  .Attr<Dims>("out0_sizes")
+                                  .Attr<Dims>("out0_strides")
+                                  .Attr<Dims>("out1_sizes")
+                                  .Attr<Dims>("out1_strides")
+                                  .Attr<Dims>("out2_sizes")
+                                  .Attr<Dims>("out2_strides")
+                                  .Attr<int64_t>("has_mask")
+                                  .Attr<int64_t>("has_scale")
+                                  .Attr<int64_t>("is_causal")
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

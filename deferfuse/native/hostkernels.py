@@ -37,13 +37,14 @@ import functools
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import warnings
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from .. import config
 from ..exec import cachefolder
@@ -53,13 +54,18 @@ jax = lazy_import("jax", globals(), "jax")
 
 log = logging.getLogger("deferfuse")
 
+T = TypeVar("T")
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_kernels.cc")
 # where make install puts the library: beside its source, as trusted as the package's own code
 PACKAGED = os.path.join(os.path.dirname(SOURCE), "build")
 # aten op -> the FFI target of its handler (the symbol host_kernels.cc exports under that name)
 TARGETS = {"mm": "deferfuse_host_mm", "bmm": "deferfuse_host_bmm", "addmm": "deferfuse_host_addmm",
            "baddbmm": "deferfuse_host_baddbmm", "convolution": "deferfuse_host_convolution",
-           "convolution_backward": "deferfuse_host_convolution_backward"}
+           "convolution_backward": "deferfuse_host_convolution_backward",
+           "_scaled_dot_product_flash_attention_for_cpu": "deferfuse_host_flash_attention",
+           "_scaled_dot_product_flash_attention_for_cpu_backward": "deferfuse_host_flash_attention_backward"}
+TARGET_PREFIX = "deferfuse_host_"   # (every target's name starts so)
 PLATFORM = "cpu"
 _BUILD_SECONDS = 600      # a compile that takes longer than this has hung
 
@@ -221,13 +227,83 @@ def use_on(platform: str) -> bool:
 
 def guest_calls() -> int:
     """How many host-kernel calls this process ran on a thread made for the call, because XLA
-    called them on a thread of its own pool (host_kernels.cc, ``Run``): 0 before the library
-    is loaded."""
+    called them on a thread of its own pool while no thread served (host_kernels.cc, ``Run``):
+    0 before the library is loaded."""
+    return _counter("deferfuse_host_guest_calls")
+
+
+def _counter(name: str) -> int:
     if not _registered:
         return 0
-    count = _registered[0][1].deferfuse_host_guest_calls
-    count.restype = ctypes.c_int64
-    return int(count())
+    function = getattr(_registered[0][1], name)
+    function.restype = ctypes.c_int64
+    return int(function())
+
+
+def served_calls() -> int:
+    """How many host-kernel calls XLA made on one of its own threads and the thread that runs
+    the program (the user's) served (``served``): 0 before the library is loaded."""
+    return _counter("deferfuse_host_served_calls")
+
+
+def kernel_seconds() -> float:
+    """Seconds this process has spent inside the host kernels, on any thread."""
+    return _counter("deferfuse_host_kernel_ns") * 1e-9
+
+
+class _Driver:
+    """The thread that runs programs for ``served``: one per process, made at first use."""
+
+    def __init__(self) -> None:
+        self.jobs: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="deferfuse-xla", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            run, box, end = self.jobs.get()
+            try:
+                box.append((True, run()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the serving thread, raised there
+                box.append((False, exc))
+            finally:
+                end()
+
+
+_serving = threading.Lock()     # held by the one thread that serves
+_driver: list[_Driver] = []
+
+
+def served(run: Callable[[], T]) -> T:
+    """``run()`` (a call that runs an XLA program calling the host kernels, and waits for it),
+    with this thread serving the kernels: ``run`` goes to a driver thread, and the kernels the
+    program calls, on whichever of XLA's threads, run here, on this thread's OpenMP team, as
+    strict's kernels do (host_kernels.cc, "Serving").  Where the library is not loaded, or
+    another thread is serving, ``run()`` runs here as it is."""
+    if not _registered or not _serving.acquire(blocking=False):
+        return run()
+    try:
+        library = _registered[0][1]
+        if not _driver:
+            _driver.append(_Driver())
+        box: list = []
+        library.deferfuse_host_serve_begin()
+        _driver[0].jobs.put((run, box, library.deferfuse_host_serve_end))
+        library.deferfuse_host_serve()     # (ctypes lets go of the GIL while it serves)
+    finally:
+        _serving.release()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def after_fork_in_child() -> None:
+    """In a forked child the driver thread is gone (the library's own serving state is reset by
+    its pthread_atfork handler)."""
+    global _serving
+    _driver.clear()
+    _serving = threading.Lock()
 
 
 def status() -> dict[str, Optional[str]]:
