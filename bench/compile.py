@@ -65,8 +65,11 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
         m = copy.deepcopy(base)
         forward = m if backend is None else torch.compile(m, backend=backend)
         lanes[name] = (forward, zoo.optimizer_for(m, model), [])
+    from deferfuse.native import hostkernels
+    kernels = []    # per timed deferfuse step: (host-kernel seconds, calls served, on threads made for them)
     for k in range(steps + 1 + warmup):
         for name, (forward, optimizer, times) in lanes.items():
+            before = (hostkernels.kernel_seconds(), hostkernels.served_calls(), hostkernels.guest_calls())
             started = time.perf_counter()
             with (deferfuse.defer() if name == "defer" else contextlib.nullcontext()):
                 loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
@@ -76,9 +79,15 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
             float(loss)
             if k > warmup:
                 times.append(time.perf_counter() - started)
+                if name == "deferfuse":
+                    after = (hostkernels.kernel_seconds(), hostkernels.served_calls(), hostkernels.guest_calls())
+                    kernels.append([b - a for a, b in zip(before, after)])
     medians = {name: statistics.median(times) for name, (_, _, times) in lanes.items()}
     return {"candidate": "side-by-side", "first_s": float("nan"), "steady_s": medians["strict"],
-            "medians": medians}
+            "medians": medians,
+            "host_kernels": {"seconds": statistics.median(x[0] for x in kernels),
+                             "served": statistics.median(x[1] for x in kernels),
+                             "guest": statistics.median(x[2] for x in kernels)} if kernels else None}
 
 
 def rows() -> dict:
@@ -222,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['deferfuse'] * 1e3:.1f} ms ({m['strict'] / m['deferfuse']:.2f}x strict, "
                   f"{m['inductor'] / m['deferfuse']:.2f}x inductor); MFU % "
                   + ", ".join(f"{name} {_mfu_percent(step_flops, m[name], peak)}" for name in m))
+            kernels = r.get("host_kernels")
+            if kernels:
+                print(f"  deferfuse's step: {kernels['seconds'] * 1e3:.1f} ms in the host kernels, "
+                      f"{kernels['served']:.0f} calls served by the thread running the program, "
+                      f"{kernels['guest']:.0f} on threads made for them")
     for r in results:
         for row, m in r.get("rows", {}).items():
             print(f"{row}: strict {m['strict'] * 1e3:.2f} ms, inductor {m['inductor'] * 1e3:.2f} ms "

@@ -8,7 +8,9 @@ alternately in one process, and splits each steady deferred step (the median of 
 of ``--steps``) by wrapping the engine's entry points with timers:
 
 - ``xla``: XLA runs (``exec/runner.execute_xla`` less the signature build below), DLPack in and
-  out included;
+  out included; of which ``kernels``: the time inside the host kernels (torch's products and
+  attention called from the programs, ``hostkernels.kernel_seconds()``), with how many calls
+  the thread running the program served and how many ran on a thread made for them;
 - ``signature``: building the flushed graph's signature and program (``exec/program.build``);
 - ``torch``: groups run on torch's kernels (``exec/replay.execute_eager``: eager replays,
   products under ``--engine torch``);
@@ -40,6 +42,7 @@ class Timers:
 
     def __init__(self) -> None:
         self.spent = {name: 0.0 for name in ("flush", "execute_xla", "build", "replay")}
+        self.kernels = _kernel_counters()
         self.originals: list[tuple[object, str, Callable]] = []
 
     def wrap(self, module, attribute: str, name: str) -> None:
@@ -62,7 +65,16 @@ class Timers:
         parts["record"] = total - s["flush"]
         for name in s:
             s[name] = 0.0
+        now = _kernel_counters()
+        parts["kernels"], parts["served_calls"], parts["guest_calls"] = (b - a for a, b in zip(self.kernels, now))
+        self.kernels = now
         return parts
+
+
+def _kernel_counters() -> tuple[float, int, int]:
+    """(seconds in the host kernels, calls served, calls on threads made for them) so far."""
+    from deferfuse.native import hostkernels
+    return hostkernels.kernel_seconds(), hostkernels.served_calls(), hostkernels.guest_calls()
 
 
 @contextlib.contextmanager
@@ -110,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{split['ops_recorded']} ops recorded)")
     for part in PARTS:
         print(f"    {part:<10}{split[part]:7.1f} ms")
+        if part == "xla":
+            print(f"      of which host kernels {split['kernels']:.1f} ms ({split['served_calls']:.0f} calls "
+                  f"served, {split['guest_calls']:.0f} on threads made for them)")
     return 0
 
 
@@ -146,6 +161,9 @@ def measure(args: argparse.Namespace, timers: Timers) -> dict:
              "ops_recorded": stats["ops_recorded"], "steps": splits}
     for part in PARTS:
         split[part] = 1e3 * statistics.median(s[part] for s in splits[steady])
+    split["kernels"] = 1e3 * statistics.median(s["kernels"] for s in splits[steady])
+    for count in ("served_calls", "guest_calls"):
+        split[count] = statistics.median(s[count] for s in splits[steady])
     return split
 
 

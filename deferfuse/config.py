@@ -94,6 +94,12 @@ _declare("host_kernels", bool, True,
          "the program: strict's speed and bits, operands' transposes passed as strides.  The "
          "handlers are compiled at first use (a C++ compiler is needed; without one XLA's dots "
          "run, with one warning).  See deferfuse/native/hostkernels.py.", affects_compile=True)
+_declare("host_kernel_serving", bool, True,
+         "With host_kernels: the thread that runs a program runs the host kernels the program "
+         "calls, on its own OpenMP team (as strict's kernels run), while a driver thread runs the "
+         "program; off, a kernel XLA calls on one of its own threads runs on a thread made for "
+         "the call (1.8x strict's time on a training step's products).  Same bits either way.  "
+         "See deferfuse/native/host_kernels.cc, \"Serving\".")
 _declare("host_kernel_min_flops", int, -1,
          "With host_kernels: a matrix product goes to torch's kernel only when it has at least "
          "this many FLOPs (2*M*N*K, times the batch); a smaller one (a decode step's one-row "

@@ -703,6 +703,12 @@ def test_a_programs_kernels_run_on_the_thread_that_runs_it():
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
         assert torch.equal(out, outs[0])
+    # host_kernel_serving off: nothing is served, and the bits are the same
+    served = hostkernels.served_calls()
+    with config.override(host_kernel_min_flops=0, host_kernel_serving=False):
+        unserved = [compiled(x) for _ in range(5)]
+    assert hostkernels.served_calls() == served
+    assert all(torch.equal(out, outs[0]) for out in unserved)
 
 
 def test_a_served_run_raises_its_error_and_the_next_one_serves_again():

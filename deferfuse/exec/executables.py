@@ -213,7 +213,7 @@ def run(compiled: Compiled, inputs: list, scalars: np.ndarray) -> tuple[list, An
             # (DLPack export does not wait for the computation: torch must not see unfinished buffers)
             jax.block_until_ready(out[0])
             return out
-    return hostkernels.served(call) if compiled.hosted else call()
+    return hostkernels.served(call) if compiled.hosted and config.get("host_kernel_serving") else call()
 
 
 def compile_program(program: Program, input_avals: tuple, n_scalars: int, n_nodes: int = 0) -> Compiled:

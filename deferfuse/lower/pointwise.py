@@ -159,6 +159,15 @@ def pow_(ctx, base, exponent):
     if static_exponent and exponent >= 0:
         # repeated multiplication: exact for integers (wrapping), and as torch special-cases x ** 2
         return lax.integer_pow(common.through(common_dtype, base), exponent)
+    if type(exponent) is float and ctx.op is aten.pow.Tensor_Scalar and jnp.issubdtype(common_dtype, jnp.floating):
+        # (a static exponent: capture/classify.py) torch's special cases, as its kernel has them
+        # (pow_out: 0 fills ones, 1 copies; then squares, cubes, roots and reciprocals)
+        b = common.through(common_dtype, base)
+        special = {0.0: lambda: jnp.ones_like(b), 1.0: lambda: b, 0.5: lambda: jnp.sqrt(b),
+                   -0.5: lambda: 1 / jnp.sqrt(b), 2.0: lambda: b * b, 3.0: lambda: b * b * b,
+                   -1.0: lambda: 1 / b, -2.0: lambda: 1 / (b * b)}.get(exponent)
+        if special is not None:
+            return special()
     base, exponent = common.through(common_dtype, base, exponent)
     if common.is_int(common_dtype):
         return _integer_power(*jnp.broadcast_arrays(base, exponent))
