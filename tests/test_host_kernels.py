@@ -672,7 +672,9 @@ def test_a_kernel_xla_calls_on_its_own_thread_leaves_no_openmp_team_behind(tmp_p
     assert result["same"] and result["close"], result
     if result["guest"] + result["served"] == 0:
         pytest.skip(f"XLA ran every kernel on the calling thread in {result['runs']} runs")
-    assert result["guest"] == 0, result     # (the user's thread served them all)
+    # (a program's runs are served once one of its kernels ran on a thread made for it: at
+    # most one run's three products)
+    assert result["guest"] <= 3, result
     assert result["after"] == result["before"]
 
 
@@ -692,14 +694,18 @@ def test_a_programs_kernels_run_on_the_thread_that_runs_it():
     """Once XLA has split a fused kernel over its pool, the rest of a program goes on on a pool
     thread, so every product of a training step was called there, on a thread made for the call
     (1.8x strict's time for a Llama step's products).  The thread that runs the program now
-    serves its kernels: none runs on a thread made for it, and the products keep strict's bits."""
+    serves its kernels once one ran on a thread made for it: after that run, none does, and the
+    products keep strict's bits."""
     block, x = _compiled_block()
     expected = block(x)
     compiled = torch.compile(block, backend=deferfuse.compile.backend)
-    guest, served = hostkernels.guest_calls(), hostkernels.served_calls()
+    outs, runs_with_guests = [], 0
     with config.override(host_kernel_min_flops=0):
-        outs = [compiled(x) for _ in range(20)]
-    assert hostkernels.guest_calls() == guest
+        for _ in range(20):
+            guest = hostkernels.guest_calls()
+            outs.append(compiled(x))
+            runs_with_guests += hostkernels.guest_calls() != guest
+    assert runs_with_guests <= 1
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
         assert torch.equal(out, outs[0])
@@ -709,6 +715,21 @@ def test_a_programs_kernels_run_on_the_thread_that_runs_it():
         unserved = [compiled(x) for _ in range(5)]
     assert hostkernels.served_calls() == served
     assert all(torch.equal(out, outs[0]) for out in unserved)
+
+
+def test_a_program_xla_runs_on_the_calling_thread_is_not_served():
+    """A small program, which XLA runs thunk after thunk on the calling thread, calls its
+    kernels there: handing its runs to the driver would only cost (~70 µs a run)."""
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    executables.clear()
+    served = hostkernels.served_calls()
+    with config.override(eager_blocks=False, always_compile=True):
+        for _ in range(10):
+            with deferfuse.defer():
+                y = (x @ w).relu()
+            assert torch.equal(y, (x @ w).relu())
+    assert hostkernels.served_calls() == served
+    assert not any(c.served for c in executables.snapshot() if c.hosted)
 
 
 def test_a_served_run_raises_its_error_and_the_next_one_serves_again():
