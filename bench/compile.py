@@ -69,7 +69,7 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
     kernels = []    # per timed deferfuse step: (host-kernel seconds, calls served, on threads made for them)
     for k in range(steps + 1 + warmup):
         for name, (forward, optimizer, times) in lanes.items():
-            before = (hostkernels.kernel_seconds(), hostkernels.served_calls(), hostkernels.guest_calls())
+            before = hostkernels.counters()
             started = time.perf_counter()
             with (deferfuse.defer() if name == "defer" else contextlib.nullcontext()):
                 loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
@@ -80,7 +80,7 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
             if k > warmup:
                 times.append(time.perf_counter() - started)
                 if name == "deferfuse":
-                    after = (hostkernels.kernel_seconds(), hostkernels.served_calls(), hostkernels.guest_calls())
+                    after = hostkernels.counters()
                     kernels.append([b - a for a, b in zip(before, after)])
     medians = {name: statistics.median(times) for name, (_, _, times) in lanes.items()}
     return {"candidate": "side-by-side", "first_s": float("nan"), "steady_s": medians["strict"],

@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 import torch
 
 from bench import zoo_models as zoo
+from deferfuse.native import hostkernels
 
 PARTS = ("xla", "signature", "torch", "plan", "record")
 
@@ -42,7 +43,7 @@ class Timers:
 
     def __init__(self) -> None:
         self.spent = {name: 0.0 for name in ("flush", "execute_xla", "build", "replay")}
-        self.kernels = _kernel_counters()
+        self.kernels = hostkernels.counters()
         self.originals: list[tuple[object, str, Callable]] = []
 
     def wrap(self, module, attribute: str, name: str) -> None:
@@ -65,16 +66,10 @@ class Timers:
         parts["record"] = total - s["flush"]
         for name in s:
             s[name] = 0.0
-        now = _kernel_counters()
+        now = hostkernels.counters()
         parts["kernels"], parts["served_calls"], parts["guest_calls"] = (b - a for a, b in zip(self.kernels, now))
         self.kernels = now
         return parts
-
-
-def _kernel_counters() -> tuple[float, int, int]:
-    """(seconds in the host kernels, calls served, calls on threads made for them) so far."""
-    from deferfuse.native import hostkernels
-    return hostkernels.kernel_seconds(), hostkernels.served_calls(), hostkernels.guest_calls()
 
 
 @contextlib.contextmanager
