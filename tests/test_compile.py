@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -492,3 +494,52 @@ def test_a_compiled_step_with_adamw_in_a_defer_block_trains_as_eager(user_defaul
     for state_e, state_o in zip(opt_e.state.values(), opt_o.state.values()):
         torch.testing.assert_close(state_o["exp_avg_sq"], state_e["exp_avg_sq"], **TOL)
     assert not deferfuse.stats()["fallbacks"] and not deferfuse.stats()["compiled_fallbacks"]
+
+
+def _largest_fused_output(computation: str) -> int:
+    """The element count of a fused computation's largest result (its header's ``-> ...``)."""
+    header = computation.split("\n", 1)[0]
+    shapes = re.findall(r"\[([\d,]*)\]", header.split("->", 1)[1])
+    return max(math.prod(int(d) for d in s.split(",") if d) for s in shapes)
+
+
+def _trig_evaluations(text: str) -> list[tuple[int, int]]:
+    """(elements of the sine or cosine, elements of the fused computation that evaluates it) for
+    each sine and cosine in an optimized HLO module: XLA evaluates it once per element of the
+    fusion's result."""
+    found = []
+    for computation in re.split(r"\n(?=%fused)", text):
+        if not computation.startswith("%fused"):
+            continue
+        for shape in re.findall(r"= \w+\[([\d,]*)\]\S* (?:cosine|sine)\(", computation):
+            found.append((math.prod(int(d) for d in shape.split(",") if d), _largest_fused_output(computation)))
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_a_broadcast_sine_or_cosine_is_computed_once(dtype):
+    """XLA counts sine and cosine as cheap and fused RoPE's ``cos(emb)`` ([S, D]) into the
+    products with the [B, H, S, D] queries, evaluating it once per element of the queries (the
+    Llama step spent ~15 ms a step so).  The value is materialized where it is broadcast; its
+    bits are kept (-0.0, NaN and infinities among the angles)."""
+    from deferfuse.exec import executables
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 32, 2, 16, generator=g, dtype=dtype).transpose(1, 2)   # [B, S, H, D] physically
+    emb = torch.randn(1, 32, 16, generator=g, dtype=torch.float32) * 10
+    emb[0, 0, :5] = torch.tensor([-0.0, math.nan, math.inf, -math.inf, 1e30])
+
+    def rope(q, emb):
+        cos, sin = (emb.cos() * 0.5).to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return q * cos + rotated * sin, torch.tan(emb) + q.sum(), emb.sin()
+
+    executables.clear()
+    fn = compiled(rope)
+    for _ in range(2):
+        for got, want in zip(fn(q, emb), rope(q, emb)):
+            torch.testing.assert_close(got, want, equal_nan=True)
+    texts = [c.executable.as_text() for c in executables.snapshot() if hasattr(c.executable, "as_text")]
+    evaluations = [e for t in texts for e in _trig_evaluations(t)]
+    assert evaluations, "the program evaluates no sine or cosine"
+    assert all(fused <= own for own, fused in evaluations), evaluations

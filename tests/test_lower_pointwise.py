@@ -284,6 +284,19 @@ def test_a_float_exponent_is_compiled_in():
     assert texts and not any("stablehlo.power" in t for t in texts)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_a_held_value_keeps_its_bits(dtype):
+    """The materialization above passes every value through unchanged, bit for bit."""
+    import jax
+    from deferfuse.exec.executables import x64
+    from deferfuse.exec.program import _held
+    x = torch.tensor([-0.0, 0.0, NAN, -NAN, INF, -INF, 1e-30, -3.5, 65504.0], dtype=torch.float64).to(dtype)
+    with x64():
+        got = torch.from_dlpack(jax.jit(_held)(jax.numpy.from_dlpack(x)))
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    assert got.dtype == dtype and torch.equal(got.view(bits), x.view(bits))
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
 def test_shifts_beyond_width(dtype):
     info = torch.iinfo(dtype)

@@ -80,6 +80,85 @@ def _unsafe_rewrite(consumer: Any, producer: Optional["Step"]) -> bool:
     return False
 
 
+# XLA's fusion counts sine, cosine and tangent as cheap (``InstructionFusion::IsExpensive``), so
+# it fuses them into every consumer, also one that broadcasts them, where they are then computed
+# once per element of the consumer: RoPE's ``cos(emb)`` and ``sin(emb)`` ([1, S, D]) were
+# evaluated for every element of the [B, H, S, D] queries and keys, forward and backward, in 40
+# fusions of the Llama step (docs/performance.md, "Sines and cosines computed once").  A value
+# whose computation since its last materialization holds such a function (``_costly``) is
+# materialized (``_held``) where a consumer broadcasts it to at least twice its size.  (The other
+# transcendental functions are expensive to XLA, which does not duplicate them so.)
+_TRANSCENDENTAL = frozenset({"cos", "sin", "tan"})
+# ops that only reshape or retype their first operand (a costly operand keeps them costly)
+_RESHAPING = frozenset({
+    "view", "view_copy", "_unsafe_view", "reshape", "unsqueeze", "unsqueeze_copy", "squeeze",
+    "squeeze_copy", "clone", "alias", "alias_copy", "_to_copy", "permute", "permute_copy",
+    "transpose", "transpose_copy", "t", "t_copy", "contiguous",
+})
+
+
+def _op_name(op: Any) -> str:
+    schema = getattr(op, "_schema", None)
+    return schema.name.split("::")[-1] if schema is not None else ""
+
+
+def _pointwise(op: Any) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+
+
+def _is_costly(step: "Step", operands: list[tuple[bool, int]]) -> bool:
+    """Whether ``step``'s outputs carry a transcendental computation not yet materialized;
+    ``operands``: (costly, size) of each value the step reads."""
+    name = _op_name(step.op)
+    if name in _TRANSCENDENTAL:
+        return True
+    if not operands or (name not in _RESHAPING and not _pointwise(step.op)):
+        return False
+    size = step.out_metas[0].numel if step.out_metas else 0
+    return any(c for c, _ in operands) and all(n == size for c, n in operands if c)
+
+
+_BITS = {2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+def _held(x: Any) -> Any:
+    """``x``, computed once into its own buffer: a reduction XLA does not fuse into a consumer
+    that reads its elements more than once (an optimization barrier is gone before fusion).  It
+    ORs the value's bits with zero, so every value, -0.0 and NaN's payload included, is kept."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in _BITS:
+        return x
+    bits = jnp.dtype(_BITS[x.dtype.itemsize])
+    b = lax.bitcast_convert_type(x, bits)
+    kept = lax.reduce(jnp.stack([b, jnp.zeros_like(b)]), bits.type(0), lax.bitwise_or, (0,))
+    return lax.bitcast_convert_type(kept, x.dtype)
+
+
+def _value_refs(a: Any):
+    """The value references in an argument tree."""
+    if isinstance(a, Ref):
+        if a.kind == "v":
+            yield a
+    elif type(a) in (list, tuple):
+        for x in a:
+            yield from _value_refs(x)
+
+
+def _broadcasts(shape: tuple, out_shape: tuple) -> bool:
+    """Whether ``shape`` broadcasts to ``out_shape`` with at least twice as many elements."""
+    if len(shape) > len(out_shape):
+        return False
+    tail = out_shape[len(out_shape) - len(shape):]
+    if any(d != o and d != 1 for d, o in zip(shape, tail)):
+        return False
+    size = 1
+    for d in shape:
+        size *= d
+    out = 1
+    for d in out_shape:
+        out *= d
+    return out >= 2 * max(size, 1)
+
+
 class Program:
     """A subgraph with value identities replaced by local ids: what gets compiled."""
 
@@ -96,7 +175,10 @@ class Program:
         flags: list[Any] = []
         values: list[Any] = []
         self.checks = []
+        costly: list[bool] = [False] * len(env)   # see _TRANSCENDENTAL
+        materialized: dict[int, Any] = {}          # a costly value behind its barrier
         consumer: Any = None
+        out_shape: tuple = ()
         last_ordered: Any = None   # the result of the latest ordered step
 
         def resolve(a: Any) -> Any:
@@ -105,6 +187,10 @@ class Program:
                     return scalars[a.index]
                 if _unsafe_rewrite(consumer, producers[a.index]):
                     return lax.optimization_barrier(env[a.index])
+                if costly[a.index] and _broadcasts(tuple(env[a.index].shape), out_shape):
+                    if a.index not in materialized:
+                        materialized[a.index] = _held(env[a.index])
+                    return materialized[a.index]
                 return env[a.index]
             if type(a) in (list, tuple):
                 return type(a)(resolve(x) for x in a)
@@ -112,6 +198,7 @@ class Program:
 
         for position, step in enumerate(self.steps):
             consumer = step.op
+            out_shape = tuple(step.out_metas[0].shape) if step.out_metas else ()
             collector = CheckCollector(step.op)
             CHECK_COLLECTORS.append(collector)
             try:
@@ -130,6 +217,8 @@ class Program:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             if step.ordered_by is not None:
                 last_ordered = outs[0]
+            read = [(costly[r.index], env[r.index].size) for r in _value_refs(step.args)]
+            carried = _is_costly(step, read)
             for local_id, meta, arr in zip(step.outs, step.out_metas, outs):
                 arr = jnp.asarray(arr)
                 want = dtypes_.to_jax(meta.dtype)
@@ -140,6 +229,7 @@ class Program:
                                         f"{meta.shape}{source_suffix(step.source)}")
                 env.append(arr)
                 producers.append(step)
+                costly.append(carried)
                 assert len(env) - 1 == local_id
         outputs = [env[i] for i in self.outputs]
         if not flags:
