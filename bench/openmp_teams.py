@@ -17,7 +17,8 @@ process's threads by name (an OpenMP worker takes the name of the thread that ma
 
 times instead what the fix costs each such call, in a small C++ program built with the C++
 compiler (``CXX``, else ``g++``) and GNU OpenMP: a thread made, a 2-thread OpenMP region run
-on it, the thread joined; beside a region on the calling thread's own team, and a bare thread.
+on it, the thread joined; beside a region on the calling thread's own team, and a bare thread;
+and what handing a call to the serving thread and back costs (two wake-ups of a sleeping thread).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def _strict(step, small, steps: int) -> dict[str, float]:
 THREAD_COST = r"""
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 #include <thread>
 #include <vector>
 #include <omp.h>
@@ -92,6 +95,39 @@ int main() {
   std::printf("a thread made for a 2-thread OpenMP region: median %.1f us, p90 %.1f\n", made[100], made[180]);
   std::printf("the region on the calling thread's team: median %.1f us\n", home[100]);
   std::printf("a thread made and joined, no region: median %.1f us\n", bare[100]);
+
+  // A served kernel's hand-over (host_kernels.cc, Handed): the caller queues a request and
+  // wakes the server asleep on a condition variable, the server answers and wakes the caller.
+  std::mutex mu;
+  std::condition_variable requested, answered;
+  bool asked = false, done = false;
+  const int rounds = 1000;
+  std::thread server([&] {
+    for (int i = 0; i < rounds; ++i) {
+      std::unique_lock<std::mutex> lock(mu);
+      requested.wait(lock, [&] { return asked; });
+      asked = false;
+      done = true;
+      answered.notify_one();
+    }
+  });
+  std::vector<double> trips;
+  for (int i = 0; i < rounds; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      asked = true;
+      requested.notify_one();
+      answered.wait(lock, [&] { return done; });
+      done = false;
+    }
+    trips.push_back(us(t0, std::chrono::steady_clock::now()));
+    while (us(t0, std::chrono::steady_clock::now()) < 300) {}   // the server falls asleep
+  }
+  server.join();
+  std::sort(trips.begin(), trips.end());
+  std::printf("a hand-over to a sleeping thread and back (condition variables): median %.1f us, p10 %.1f, p90 %.1f\n",
+              trips[rounds / 2], trips[rounds / 10], trips[rounds * 9 / 10]);
 }
 """
 
@@ -117,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", default=str(RESULTS_DIR / "openmp_teams.json"))
     parser.add_argument("--thread-cost", action="store_true",
-                        help="time what a thread made for a call costs (C++), and nothing else")
+                        help="time what a thread made for a call and a hand-over cost (C++), and nothing else")
     args = parser.parse_args(argv)
     if args.thread_cost:
         return thread_cost()
