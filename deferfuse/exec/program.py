@@ -12,6 +12,7 @@ they never change the key.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -150,13 +151,7 @@ def _broadcasts(shape: tuple, out_shape: tuple) -> bool:
     tail = out_shape[len(out_shape) - len(shape):]
     if any(d != o and d != 1 for d, o in zip(shape, tail)):
         return False
-    size = 1
-    for d in shape:
-        size *= d
-    out = 1
-    for d in out_shape:
-        out *= d
-    return out >= 2 * max(size, 1)
+    return math.prod(out_shape) >= 2 * max(math.prod(shape), 1)
 
 
 class Program:
@@ -176,7 +171,7 @@ class Program:
         values: list[Any] = []
         self.checks = []
         costly: list[bool] = [False] * len(env)   # see _TRANSCENDENTAL
-        materialized: dict[int, Any] = {}          # a costly value behind its barrier
+        materialized: dict[int, Any] = {}          # a costly value, computed once (_held)
         consumer: Any = None
         out_shape: tuple = ()
         last_ordered: Any = None   # the result of the latest ordered step
