@@ -71,8 +71,14 @@ _PRODUCTS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, at
 
 
 def flops(ctx: LoweringContext) -> Optional[int]:
-    """The FLOPs of a matrix product (2*M*K*N, times the batch of a bmm), from its operands'
-    shapes; None for a convolution or an attention (always hosted: see ``pays``)."""
+    """The FLOPs of a matrix product (2*M*K*N, times the batch of a bmm) or of an attention
+    (its two products, 2*B*H*Lq*Lk*(D + Dv); its backward's five, 2.5 times that), from the
+    operands' shapes; None for a convolution (always hosted: see ``pays``)."""
+    if ctx.op in (_FLASH, _FLASH_BACKWARD):
+        query, key, value = ctx.args[:3] if ctx.op is _FLASH else ctx.args[1:4]
+        *batch, length, depth = query.shape
+        forward = 2 * int(np.prod(batch, dtype=np.int64)) * length * key.shape[-2] * (depth + value.shape[-1])
+        return forward if ctx.op is _FLASH else forward * 5 // 2
     if ctx.op not in _PRODUCTS:
         return None
     a, b = ctx.args[:2] if ctx.op in (aten.mm.default, aten.bmm.default) else ctx.args[1:3]
@@ -93,8 +99,11 @@ def pays(ctx: LoweringContext) -> bool:
     first sighting on torch's kernel, its twin in a program), hosts every product (the default,
     -1, means 0 there); torch.compile's graphs (compile/runtime.py) take COMPILED_MIN_FLOPS.
     Shapes alone decide, never a timing: a program's bits do not depend on the machine's
-    state.  Convolutions and attention are always hosted (small convolutions measured no worse;
-    XLA's attention is several fusions and dots where torch's is one kernel)."""
+    state.  Attention is counted like its products: a decode step's (one query row against the
+    cache) is XLA's, where a call into torch's flash kernel, handed to the serving thread, cost
+    more than the step's other work (docs/performance.md, "Compiled generate()"); a training
+    step's is torch's one kernel, where XLA's is several fusions and dots.  Convolutions are
+    always hosted (small convolutions measured no worse)."""
     threshold = config.get("host_kernel_min_flops")
     if threshold <= 0:
         return True
