@@ -22,7 +22,7 @@ Conventions:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -91,11 +91,30 @@ def _acc_dtype(dtype) -> jnp.dtype:
     return dtype
 
 
-def matmul(a, b):
-    """jnp.matmul in torch's accumulate type (see the module docstring)."""
+def _transposed(meta: Any) -> bool:
+    """Whether a matrix operand is, in strict, the transpose of a row-major matrix (its last two
+    dims swapped: ``w.t()`` in every ``linear``, ``k.transpose(-2, -1)`` in attention)."""
+    if meta is None or len(meta.shape) < 2 or meta.shape[-1] < 2 or meta.shape[-2] < 2:
+        return False
+    return meta.stride[-2] == 1 and meta.stride[-1] >= meta.shape[-2]
+
+
+def matmul(a, b, b_meta: Any = None):
+    """jnp.matmul in torch's accumulate type (see the module docstring).  Where ``b`` (its
+    metadata ``b_meta``) is a transposed row-major matrix, the product contracts the last dims
+    of both operands (``dot_general``) instead of transposing ``b`` back: XLA cancels the two
+    transposes and its dot reads the weight as stored.  Given ``x @ w.t()`` instead, XLA:CPU
+    copied the weight into the other layout on every call (``copy_dot_fusion``): a decode step's
+    products, 1 x 256 by 256 x 1024, took 85 us against 50 (docs/performance.md, "Compiled
+    generate()")."""
     acc = _acc_dtype(a.dtype)
     if jnp.issubdtype(acc, jnp.integer):
         a, b = a.astype(acc), b.astype(acc)
+    if a.ndim == b.ndim and a.ndim in (2, 3) and _transposed(b_meta):
+        batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
+        last = a.ndim - 1
+        return lax.dot_general(a, jnp.swapaxes(b, -1, -2), (((last,), (last,)), batch),
+                               precision=_HIGHEST, preferred_element_type=acc)
     return jnp.matmul(a, b, precision=_HIGHEST, preferred_element_type=acc)
 
 
@@ -139,14 +158,14 @@ def mm(ctx, a, b):
     if host_products.applies(ctx):
         return host_products.product(ctx, a, b)
     # vdot conjugates its first operand, a no-op for the real dtypes lowered here.
-    return matmul(a, b)
+    return matmul(a, b, ctx.args[1])
 
 
 @lowering(aten.addmm.default, aten.addmv.default, check=_check_matmul)
 def addmm(ctx, x, a, b, *, beta=1, alpha=1):
     if host_products.applies(ctx):
         return host_products.add_product(ctx, x, a, b, beta, alpha)
-    return _add_scaled(ctx, x, matmul(a, b), beta, alpha, alpha_zero_skips=True)
+    return _add_scaled(ctx, x, matmul(a, b, ctx.args[2]), beta, alpha, alpha_zero_skips=True)
 
 
 @lowering(aten.addbmm.default, check=_check_matmul)
@@ -168,7 +187,7 @@ def baddbmm(ctx, x, a, b, *, beta=1, alpha=1):
     if host_products.applies(ctx):
         return host_products.add_product(ctx, x, a, b, beta, alpha)
     _, m, k = a.shape
-    return _add_scaled(ctx, x, matmul(a, b), beta, alpha,
+    return _add_scaled(ctx, x, matmul(a, b, ctx.args[2]), beta, alpha,
                        alpha_zero_skips=k * m * b.shape[2] >= _BADDBMM_SMALL)
 
 
