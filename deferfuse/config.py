@@ -101,9 +101,10 @@ _declare("host_kernel_serving", bool, True,
          "the call (1.8x strict's time on a training step's products).  Same bits either way.  "
          "See deferfuse/native/host_kernels.cc, \"Serving\".")
 _declare("host_kernel_min_flops", int, -1,
-         "With host_kernels: a matrix product goes to torch's kernel only when it has at least "
-         "this many FLOPs (2*M*N*K, times the batch); a smaller one (a decode step's one-row "
-         "products) is XLA's own dot, where one FFI call costs more than the product, but whose "
+         "With host_kernels: a matrix product or an attention goes to torch's kernel only when "
+         "it has at least this many FLOPs (2*M*N*K, times the batch; an attention's two "
+         "products, its backward's five); a smaller one (a decode step's one-row products and "
+         "attention) is XLA's own, where one FFI call costs more than the product, but whose "
          "bits are not torch's.  Decided by shapes alone, so the same program routes the same "
          "way on every run; 0 sends every product to the host kernels.  -1 (the default): by "
          "front end, 0 in defer mode (strict's bits, whichever way a product runs: eagerly on a "

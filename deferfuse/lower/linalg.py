@@ -100,13 +100,11 @@ def _transposed(meta: Any) -> bool:
 
 
 def matmul(a, b, b_meta: Any = None):
-    """jnp.matmul in torch's accumulate type (see the module docstring).  Where ``b`` (its
-    metadata ``b_meta``) is a transposed row-major matrix, the product contracts the last dims
-    of both operands (``dot_general``) instead of transposing ``b`` back: XLA cancels the two
-    transposes and its dot reads the weight as stored.  Given ``x @ w.t()`` instead, XLA:CPU
-    copied the weight into the other layout on every call (``copy_dot_fusion``): a decode step's
-    products, 1 x 256 by 256 x 1024, took 85 us against 50 (docs/performance.md, "Compiled
-    generate()")."""
+    """jnp.matmul in torch's accumulate type (see the module docstring).  Where ``b`` (metadata
+    ``b_meta``) is a transposed row-major matrix, it contracts the last dims of both operands
+    (``dot_general``): XLA cancels the transposes and reads the weight as stored, where it copied
+    it into the other layout on every call of a decode step (docs/performance.md, "Compiled
+    generate() again")."""
     acc = _acc_dtype(a.dtype)
     if jnp.issubdtype(acc, jnp.integer):
         a, b = a.astype(acc), b.astype(acc)
