@@ -84,11 +84,12 @@ def _unsafe_rewrite(consumer: Any, producer: Optional["Step"]) -> bool:
 # XLA's fusion counts sine, cosine and tangent as cheap (``InstructionFusion::IsExpensive``), so
 # it fuses them into every consumer, also one that broadcasts them, where they are then computed
 # once per element of the consumer: RoPE's ``cos(emb)`` and ``sin(emb)`` ([1, S, D]) were
-# evaluated for every element of the [B, H, S, D] queries and keys, forward and backward, in 40
-# fusions of the Llama step (docs/performance.md, "Sines and cosines computed once").  A value
-# whose computation since its last materialization holds such a function (``_costly``) is
-# materialized (``_held``) where a consumer broadcasts it to at least twice its size.  (The other
-# transcendental functions are expensive to XLA, which does not duplicate them so.)
+# evaluated for every element of the [B, H, S, D] queries and keys, forward and backward (32
+# fusions of the Llama step's backward; docs/performance.md, "Sines and cosines computed
+# once").  A value whose computation since its last materialization holds such a function
+# (``_costly``) is materialized (``_held``) where a consumer broadcasts it to at least twice its
+# size.  (The other transcendental functions are expensive to XLA, which does not duplicate
+# them so.)
 _TRANSCENDENTAL = frozenset({"cos", "sin", "tan"})
 # ops that only reshape or retype their first operand (a costly operand keeps them costly)
 _RESHAPING = frozenset({
