@@ -21,6 +21,7 @@ from .. import config
 from ..errors import LoweringError
 from ..ir import graph
 from ..ir.graph import Node, RuntimeScalar, Value
+from ..lower import common
 from ..lower import dtypes as dtypes_
 from ..lower import host_products
 from ..lower.registry import CHECK_COLLECTORS, CheckCollector
@@ -147,12 +148,7 @@ def _value_refs(a: Any):
 
 def _broadcasts(shape: tuple, out_shape: tuple) -> bool:
     """Whether ``shape`` broadcasts to ``out_shape`` with at least twice as many elements."""
-    if len(shape) > len(out_shape):
-        return False
-    tail = out_shape[len(out_shape) - len(shape):]
-    if any(d != o and d != 1 for d, o in zip(shape, tail)):
-        return False
-    return math.prod(out_shape) >= 2 * max(math.prod(shape), 1)
+    return common.broadcastable(shape, out_shape) and math.prod(out_shape) >= 2 * max(math.prod(shape), 1)
 
 
 class Program:

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from . import dtypes as _dtypes
-from . import host_products, normalization, xla_fixes
+from . import common, host_products, normalization, xla_fixes
 from .registry import LoweringContext, lowering, replay_on_cpu
 from .._lazy import lazy_import
 
@@ -84,7 +84,7 @@ def _check_attention(ctx: LoweringContext, q, k, v, mask, dropout_p, extra=()) -
         return _raise_like_cpu(ctx, q, k)
     if mask is not None:
         if (mask.dtype not in (torch.float32, q.dtype) or len(mask.shape) not in (2, 4)
-                or not _broadcasts(mask.shape, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))):
+                or not common.broadcastable(mask.shape, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))):
             return _raise_like_cpu(ctx, q, k)
     batch, heads = q.shape[:2]
     if k.shape[:3] != v.shape[:3] or k.shape[0] != batch or k.shape[1] == 0 or heads % k.shape[1]:
@@ -98,11 +98,6 @@ def _raise_like_cpu(ctx: LoweringContext, q, k) -> str:
     if len(q.shape) == 4 == len(k.shape) and 0 in (q.shape[1], q.shape[2], k.shape[2]):
         return "torch's CPU kernel divides by zero on empty heads or sequences"
     return replay_on_cpu(ctx)
-
-
-def _broadcasts(shape: tuple, full: tuple) -> bool:
-    shape = (1,) * (len(full) - len(shape)) + tuple(shape)
-    return all(s in (1, f) for s, f in zip(shape, full))
 
 
 def _check_flash(ctx: LoweringContext) -> Optional[str]:

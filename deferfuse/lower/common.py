@@ -284,6 +284,14 @@ def axes(ndim: int, dim: Any, *, empty_means_all: bool = True) -> tuple[int, ...
     return tuple(sorted({d % ndim for d in dim}))
 
 
+def broadcastable(shape: Sequence[int], full: Sequence[int]) -> bool:
+    """Whether ``shape`` broadcasts to ``full`` (torch's rules: aligned at the last dim)."""
+    if len(shape) > len(full):
+        return False
+    shape = (1,) * (len(full) - len(shape)) + tuple(shape)
+    return all(s in (1, f) for s, f in zip(shape, full))
+
+
 def count(shape: Sequence[int], axes: Sequence[int]) -> int:
     """How many elements a reduction over ``axes`` of ``shape`` covers."""
     return math.prod(shape[a] for a in axes)
