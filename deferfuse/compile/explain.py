@@ -18,7 +18,7 @@ def explain(graph: Optional[CompiledGraph] = None) -> str:
     for number, g in enumerate(graphs):
         lines.append(f"graph {number} ({g.kind}): {len(g.plans)} shape(s) planned")
         for key, plan in g.plans.items():
-            shapes = ", ".join(str(k[0]) if k and isinstance(k[0], tuple) else str(k[1]) for k in key)
+            shapes = ", ".join(str(tuple(k[0])) if k and isinstance(k[0], tuple) else str(k[1]) for k in key)
             lines.append(f"  inputs {shapes}")
             for unit in plan.units:
                 if isinstance(unit, Partition):

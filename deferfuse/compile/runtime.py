@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.fx
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import config
@@ -53,16 +54,11 @@ def _is_symbolic(v: Any) -> bool:
 
 
 def spec_key(inputs: list) -> tuple:
-    """What a plan is specialized for: each input's shape, strides and dtype, or its value."""
-    key = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            key.append((tuple(x.shape), tuple(x.stride()), str(x.dtype)))
-        elif isinstance(x, (bool, int, float)):
-            key.append((type(x).__name__, x))
-        else:
-            key.append(("other", type(x).__name__))
-    return tuple(key)
+    """What a plan is specialized for: each input's shape, strides and dtype, or its value.
+    (Made on every call, over every input: a decoder's step has ~55, so it stays one pass.)"""
+    return tuple([(x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor)
+                  else (type(x).__name__, x) if isinstance(x, (bool, int, float))
+                  else ("other", type(x).__name__) for x in inputs])
 
 
 class CompiledGraph:
@@ -78,6 +74,9 @@ class CompiledGraph:
         self.settings = dict(settings)
         self.code = gm.code
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # (where a call's inputs and the graph's constants go, made once: a call reads them all)
+        self.input_slots = [(n.name, None) for n in self.placeholders]
+        self.attrs = [((n.name, None), n.target) for n in gm.graph.nodes if n.op == "get_attr"]
         self.output = next(n for n in gm.graph.nodes if n.op == "output")
         self.static = not any(_is_symbolic(n.meta.get("val")) for n in gm.graph.nodes) and all(
             "val" in n.meta for n in gm.graph.nodes if n.op == "call_function")
@@ -131,7 +130,7 @@ class CompiledGraph:
     # -- a call ----------------------------------------------------------------------------
 
     def __call__(self, args: list) -> list:
-        inputs = [_plain(x) for x in args]
+        inputs = [x if type(x) in _PLAIN else _plain(x) for x in args]
         args.clear()
         settings = self.settings
         if "host_kernel_min_flops" not in settings and config.get("host_kernel_min_flops") < 0:
@@ -141,12 +140,22 @@ class CompiledGraph:
         context = config.override(**settings) if settings else contextlib.nullcontext()
         # (the graph's own torch calls are real work on plain tensors: under an eager mode, such
         # as a backward called in a defer block, they must not be recorded)
-        with context, _disable_current_modes():
+        modes = _disable_current_modes() if _modes_active() else contextlib.nullcontext()
+        with context, modes:
             return self.run(inputs)
 
     def run(self, inputs: list) -> list:
         plan = self.plan_for(inputs)
-        return _Run(self.gm, plan, self.placeholders, inputs).outputs(self.output)
+        return _Run(self, plan, inputs).outputs(self.output)
+
+
+def _modes_active() -> bool:
+    """Whether a torch dispatch mode is on (user, infra or pre-dispatch): a call then runs with
+    them off (``_disable_current_modes``, whose set-up costs ~20 us a call)."""
+    return torch._C._len_torch_dispatch_stack() > 0 or _len_torch_dispatch_stack_pre_dispatch() > 0
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plain(x: Any) -> Any:
@@ -162,15 +171,12 @@ def _plain(x: Any) -> Any:
 class _Run:
     """The values of one call, by slot: torch tensors or JAX arrays, converted when asked."""
 
-    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, placeholders: list, inputs: list) -> None:
-        self.gm = gm
+    def __init__(self, graph: CompiledGraph, plan: Plan, inputs: list) -> None:
+        gm = self.gm = graph.gm
         self.plan = plan
-        self.env: dict = {}
-        for node, x in zip(placeholders, inputs):
-            self.env[(node.name, None)] = x
-        for node in gm.graph.nodes:
-            if node.op == "get_attr":
-                self.env[(node.name, None)] = getattr(gm, node.target)
+        self.env = dict(zip(graph.input_slots, inputs))
+        for slot, target in graph.attrs:
+            self.env[slot] = getattr(gm, target)
         writes = []
         for unit in plan.units:
             if isinstance(unit, Partition):
@@ -220,7 +226,7 @@ class _Run:
 
     def jax_value(self, slot: tuple) -> Any:
         v = self.env[slot]
-        return v if isinstance(v, jax.Array) else interop.to_jax(v)
+        return interop.to_jax(v) if isinstance(v, torch.Tensor) else v
 
     def _args(self, node: torch.fx.Node, leaf) -> tuple[tuple, dict]:
         return tuple(plan_.map_nodes(node.args, leaf)), plan_.map_nodes(dict(node.kwargs), leaf)
@@ -282,7 +288,7 @@ class _Run:
         inputs = [self.jax_value(s) for s in p.inputs]
         check_nans = config.get("check_nans")
         finite_inputs = check_nans and not checks_.has_nonfinite(inputs)
-        results, failed, details = executables.run(compiled, inputs, np.zeros((0,), dtype=np.float64))
+        results, failed, details = executables.run(compiled, inputs, executables.NO_SCALARS)
         STATS.executions += 1
         if compiled.checks:
             for flag, value, (position, error, message) in zip(np.asarray(failed), np.asarray(details), compiled.checks):

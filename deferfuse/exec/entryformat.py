@@ -190,8 +190,8 @@ class LoadedProgram:
     def __call__(self, inputs: Sequence[Any], scalars: np.ndarray) -> tuple[list, Optional[Any], Optional[Any]]:
         if len(inputs) != self.n_inputs:
             raise ValueError(f"this executable takes {self.n_inputs} inputs, not {len(inputs)}")
-        scalars = np.asarray(scalars, dtype=np.float64)
-        outputs = self.executable.execute([*inputs, _device_vector(scalars)])
+        vector = scalars if isinstance(scalars, jax.Array) else _device_vector(np.asarray(scalars, dtype=np.float64))
+        outputs = self.executable.execute([*inputs, vector])
         if not self.checked:
             return outputs, None, None
         return outputs[:self.n_results], outputs[-2], outputs[-1]

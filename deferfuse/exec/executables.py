@@ -42,7 +42,7 @@ class Compiled:
     ``Compiled``, or one loaded from the disk cache (entryformat.LoadedProgram)."""
 
     __slots__ = ("executable", "n_scalars", "checks", "lowered", "signature", "relower", "nbytes", "origin",
-                 "runs", "targets", "hosted", "served")
+                 "runs", "targets", "hosted", "served", "no_scalars")
 
     def __init__(self, executable: Any, n_scalars: int, checks: list[tuple[int, type, str]],
                  lowered: Any = None, targets: Iterable[str] = ()) -> None:
@@ -51,6 +51,9 @@ class Compiled:
         # whether the host kernels are among them: its runs are then served (run())
         self.hosted = any(t.startswith(hostkernels.TARGET_PREFIX) for t in self.targets)
         self.served = False   # whether its runs are served (run())
+        # an empty scalar vector on the device it runs on, once it has run (run(): putting
+        # NumPy's empty vector there costs ~15-20 us a call)
+        self.no_scalars: Any = None
         self.lowered = lowered
         self.n_scalars = n_scalars
         self.checks = checks
@@ -204,6 +207,10 @@ def allow_compiles(seconds: Optional[float]) -> None:
     _ALLOWANCE.seconds = seconds
 
 
+# the runtime scalars of a program that takes none
+NO_SCALARS = np.zeros((0,), dtype=np.float64)
+
+
 def run(compiled: Compiled, inputs: list, scalars: np.ndarray) -> tuple[list, Any, Any]:
     """Run ``compiled`` on JAX arrays and wait for it: ``(results, failed, details)``.
 
@@ -212,11 +219,16 @@ def run(compiled: Compiled, inputs: list, scalars: np.ndarray) -> tuple[list, An
     thread runs the program: native/hostkernels.served).  A small program, which XLA runs
     thunk after thunk on the calling thread, never needs it, and handing a run to the driver
     and back costs ~70 µs (a 64x64 product and its ReLU: 400 -> 470 µs a block)."""
+    empty = not scalars.size
+
     def call() -> tuple[list, Any, Any]:
         with x64():
-            out = compiled.executable(inputs, scalars)
+            out = compiled.executable(inputs, compiled.no_scalars if empty and compiled.no_scalars is not None
+                                      else scalars)
             # (DLPack export does not wait for the computation: torch must not see unfinished buffers)
             jax.block_until_ready(out[0])
+            if empty and compiled.no_scalars is None and out[0]:
+                compiled.no_scalars = jax.device_put(scalars, out[0][0].sharding)
             return out
     if not compiled.hosted or not config.get("host_kernel_serving"):
         return call()
