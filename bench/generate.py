@@ -80,6 +80,12 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
     def call(lane: str) -> Any:
         return _generate(models[lane], prompt, tokens, cache_implementation="static")
 
+    forward_s: dict[str, list[float]] = {lane: [] for lane in lanes}
+    xla_s: dict[str, list[float]] = {lane: [] for lane in lanes}
+    timing = [False]
+    for lane in lanes:
+        _time_forward(models[lane], lane, forward_s, xla_s, timing)
+
     row: dict[str, Any] = {"model": name, "size": size, "tokens": tokens, "prompt_tokens": prompt.shape[1],
                            "lanes": {}}
     reference = None
@@ -98,6 +104,7 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
     order = list(lanes)
     shuffle = random.Random(seed)
     before = _counts()
+    timing[0] = True
     for _ in range(rounds):
         shuffle.shuffle(order)
         for lane in order:
@@ -106,6 +113,7 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
             samples[lane].append(time.perf_counter() - started)
             row["lanes"][lane]["ids_changed"] = row["lanes"][lane].get("ids_changed", False) \
                 or not torch.equal(ids, row["lanes"][lane]["ids"])
+    timing[0] = False
     row["counts_while_timed"] = _difference(_counts(), before)
     strict_median = statistics.median(samples["strict"]) if "strict" in samples else None
     for lane in lanes:
@@ -114,13 +122,45 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
         ids = entry.pop("ids")
         entry.update(median_s=median, samples_s=samples[lane], tokens_per_s=tokens / median,
                      vs_strict=None if strict_median is None else strict_median / median,
+                     forward_median_s=statistics.median(forward_s[lane]),
+                     xla_median_s=statistics.median(xla_s[lane]) if xla_s[lane] else None,
                      same_as_strict=None if reference is None else bool(torch.equal(ids, reference)))
     return row
 
 
+def _time_forward(model: Any, lane: str, forward_s: dict, xla_s: dict, timing: list) -> None:
+    """Time each ``model.forward`` call of ``lane`` while ``timing[0]``, and for a deferfuse lane
+    the XLA executions inside it."""
+    from deferfuse.exec import executables
+    forward, run = model.forward, executables.run
+    inside = [0.0]
+
+    def timed_run(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - started
+
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:
+        if not timing[0]:
+            return forward(*args, **kwargs)
+        inside[0] = 0.0
+        executables.run = timed_run
+        started = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            forward_s[lane].append(time.perf_counter() - started)
+            executables.run = run
+            if lane.startswith("deferfuse"):
+                xla_s[lane].append(inside[0])
+    model.forward = timed_forward
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'model':<7}{'lane':<20}{'first call s':>13}{'median ms':>11}{'tokens/s':>10}{'vs strict':>11}"
-             f"{'same ids':>10}  first call made"]
+             f"{'same ids':>10}{'forward ms':>12}{'in XLA ms':>11}  first call made"]
     for row in rows:
         for lane, e in row["lanes"].items():
             same = e["same_as_strict"] is not False and e["same_as_dynamic_cache"] and not e.get("ids_changed")
@@ -129,8 +169,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
             what = "" if lane == "strict" else f"{made['dynamo_graphs']} Dynamo graphs" + (
                 f", {made['compiled_specializations']} deferfuse plans, {made['compiles']} XLA compiles"
                 if lane.startswith("deferfuse") else "")
+            xla = "-" if e["xla_median_s"] is None else f"{e['xla_median_s'] * 1e3:.3f}"
             lines.append(f"{row['model']:<7}{lane:<20}{e['first_s']:>13.2f}{e['median_s'] * 1e3:>11.1f}"
-                         f"{e['tokens_per_s']:>10.1f}{ratio:>11}{'yes' if same else 'NO':>10}  {what}")
+                         f"{e['tokens_per_s']:>10.1f}{ratio:>11}{'yes' if same else 'NO':>10}"
+                         f"{e['forward_median_s'] * 1e3:>12.3f}{xla:>11}  {what}")
         lines.append(f"{'':<7}(while timed: {row['counts_while_timed']})")
     return "\n".join(lines)
 
