@@ -543,3 +543,39 @@ def test_a_broadcast_sine_or_cosine_is_computed_once(dtype):
     evaluations = [e for t in texts for e in _trig_evaluations(t)]
     assert evaluations, "the program evaluates no sine or cosine"
     assert all(fused <= own for own, fused in evaluations), evaluations
+
+
+def test_a_call_reads_its_inputs_as_they_are_at_the_call():
+    """A graph input's JAX view is reused from the last call only while it is the same tensor at
+    the same address: values written in place, a parameter's ``.data`` swapped for another
+    tensor and a new input tensor each call all give eager's results, and an input that dies
+    leaves no view (nor its memory) behind."""
+    import gc
+    import weakref
+    from deferfuse.compile import runtime
+
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x):
+        return torch.relu(lin(x)) * 2 + x
+
+    g = torch.compile(f, backend=dcompile.backend)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for step in range(4):
+            torch.testing.assert_close(g(x), f(x), **TOL)
+            x.add_(1.0)                                  # the same tensor, new values
+            if step == 1:
+                lin.weight.data = torch.randn(8, 8)      # the same Parameter, other memory
+            if step == 2:
+                x = torch.randn(4, 8)                    # another tensor
+        torch.testing.assert_close(g(x), f(x), **TOL)
+        y = torch.randn(4, 8)
+        torch.testing.assert_close(g(y), f(y), **TOL)
+    gone = weakref.ref(y)
+    del y
+    gc.collect()
+    assert gone() is None
+    entries = [entry for graph in runtime.compiled_graphs() for plan in graph.plans.values()
+               for p in plan.partitions for entry in (p.imports or []) if entry is not None]
+    assert entries and all(ref is None or ref() is not None for ref, _, _ in entries)

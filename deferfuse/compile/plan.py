@@ -169,6 +169,9 @@ class Partition:
     avals: tuple = ()
     compiled: Any = None
     failed: Any = None       # why it could not be lowered or compiled (torch then runs its ops)
+    # per input slot that is a graph input: (weak reference to the tensor, its data pointer,
+    # the JAX view of it) from the last call (compile/runtime.py, _imported)
+    imports: Optional[list] = None
 
 
 @dataclasses.dataclass

@@ -92,6 +92,11 @@ def to_jax(t: torch.Tensor) -> jax.Array:
     return arr
 
 
+def is_view(array: jax.Array, t: torch.Tensor) -> bool:
+    """Whether ``array`` (from ``to_jax(t)``) reads ``t``'s memory, rather than a copy of it."""
+    return t.numel() == 0 or array.unsafe_buffer_pointer() == _data_ptr(t)
+
+
 def to_torch(a: jax.Array) -> torch.Tensor:
     direct = _direct_crossings() if a.platform() == "cpu" else None
     return torch.from_dlpack(a) if direct is None else direct[1](a)
