@@ -188,6 +188,7 @@ class Plan:
     slot_meta: dict           # slot -> TensorMeta
     where: dict               # node name -> "xla" / "torch" / "host" / "alias"
     reasons: list             # (op name, why it runs on torch)
+    schedule: Any = None      # (steps, write-backs) as a call runs them (compile/runtime.py)
 
 
 # -- the plan ------------------------------------------------------------------------------------

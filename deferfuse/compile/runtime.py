@@ -153,6 +153,17 @@ class CompiledGraph:
         return _Run(self, plan, inputs).outputs(self.output)
 
 
+def _schedule(plan: Plan) -> tuple[list, list]:
+    """``plan``'s units as (method, unit) in order, and its write-backs as (input's slot, value
+    node, the write's own slot), made at its first call: each later call only runs them."""
+    runs = {Partition: _Run._run_partition, Draw: _Run._draw, OnTorch: _Run._on_torch}
+    steps = [(runs[type(unit)], unit) for unit in plan.units if not isinstance(unit, WriteBack)]
+    writes = [(slot_of_arg(unit.node.args[0]), unit.node.args[1], (unit.node.name, None))
+              for unit in plan.units if isinstance(unit, WriteBack)]
+    plan.schedule = (steps, writes)
+    return plan.schedule
+
+
 def _forgetting(memo: list, i: int):
     def forget(_ref: Any) -> None:
         memo[i] = (None, 0, None)
@@ -188,21 +199,14 @@ class _Run:
         self.env = dict(zip(graph.input_slots, inputs))
         for slot, target in graph.attrs:
             self.env[slot] = getattr(gm, target)
-        writes = []
-        for unit in plan.units:
-            if isinstance(unit, Partition):
-                self._run_partition(unit)
-            elif isinstance(unit, Draw):
-                self._draw(unit)
-            elif isinstance(unit, OnTorch):
-                self._on_torch(unit)
-            elif isinstance(unit, WriteBack):
-                writes.append(unit)
-        for unit in writes:
-            dst, src = unit.node.args[0], unit.node.args[1]
-            target = self.torch_value(dst)
+        steps, writes = plan.schedule or _schedule(plan)
+        for run, unit in steps:
+            run(self, unit)
+        env = self.env
+        for target_slot, src, out_slot in writes:
+            target = env[target_slot]   # (a graph input's tensor)
             target.copy_(self.torch_value(src))
-            self.env[(unit.node.name, None)] = target
+            env[out_slot] = target
 
     # -- values --------------------------------------------------------------------------
 
@@ -213,7 +217,7 @@ class _Run:
             return plan_.concrete(self.plan.values[n])
         slot = slot_of_arg(n)
         v = self.env[slot]
-        if isinstance(v, jax.Array):
+        if type(v) is not torch.Tensor and isinstance(v, jax.Array):
             v = self._to_torch(slot, v)
             self.env[slot] = v
         return v
