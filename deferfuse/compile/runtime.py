@@ -36,9 +36,6 @@ from .plan import Draw, OnTorch, Partition, Plan, WriteBack, slot_of_arg
 
 jax = lazy_import("jax", globals(), "jax")
 
-# (torch's own method: capture/patches.py wraps Tensor.data_ptr while defer blocks run)
-_data_ptr = torch._C.TensorBase.data_ptr
-
 log = logging.getLogger("deferfuse")
 
 # every graph compiled in this process, oldest first, for explain() (weakly: Dynamo owns them)
@@ -239,10 +236,6 @@ class _Run:
             t = out
         return t
 
-    def jax_value(self, slot: tuple) -> Any:
-        v = self.env[slot]
-        return interop.to_jax(v) if isinstance(v, torch.Tensor) else v
-
     def _imported(self, p: Partition) -> list:
         """``p``'s inputs as JAX arrays.  A graph input that is the same tensor at the same
         address as at the last call reuses that call's view without looking at its shape and
@@ -260,12 +253,12 @@ class _Run:
                 out.append(interop.to_jax(v) if isinstance(v, torch.Tensor) else v)
                 continue
             ref, pointer, array = known
-            if ref is not None and ref() is v and _data_ptr(v) == pointer:
+            if ref is not None and ref() is v and interop.data_ptr(v) == pointer:
                 out.append(array)
                 continue
             array = interop.to_jax(v)
             # (the view holds the tensor's memory: the entry goes when the tensor does)
-            memo[i] = (weakref.ref(v, _forgetting(memo, i)), _data_ptr(v), array) \
+            memo[i] = (weakref.ref(v, _forgetting(memo, i)), interop.data_ptr(v), array) \
                 if interop.is_view(array, v) else (None, 0, None)
             out.append(array)
         return out

@@ -21,7 +21,7 @@ jax = lazy_import("jax", globals(), "jax")
 _VIEWS: dict[int, tuple] = {}
 
 # (torch's own method: capture/patches.py's READ_PATCHES wraps Tensor.data_ptr while defer blocks write plain tensors)
-_data_ptr = torch._C.TensorBase.data_ptr
+data_ptr = _data_ptr = torch._C.TensorBase.data_ptr
 
 
 def _forget(key: int):
@@ -85,7 +85,7 @@ def to_jax(t: torch.Tensor) -> jax.Array:
     # Python object alive while C++ holds it, so exporting ``t`` itself would never let the
     # cache entry go)
     arr = _from_dlpack(t.detach())
-    if t.numel() and arr.unsafe_buffer_pointer() != _data_ptr(t):
+    if not is_view(arr, t):
         STATS.dlpack_copies += 1
         return arr
     _VIEWS[id(t)] = (weakref.ref(t, _forget(id(t))), _data_ptr(t), t.shape, t.stride(), arr)
