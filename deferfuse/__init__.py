@@ -62,6 +62,16 @@ def reset_stats() -> None:
     _STATS.reset()
 
 
+def _track_memory() -> None:
+    # NumPy's arrays over torch's memory, torch.load's tensors and imported memory, known from
+    # import on, not from the first block (capture/patches.install_memory_tracking)
+    from .capture import patches
+    patches.install_memory_tracking()
+
+
+_track_memory()
+
+
 def _apply_environment() -> None:
     from .modes import apply_environment
     apply_environment()

@@ -190,7 +190,6 @@ def _push(kind: EagerMode, segmented: bool = False) -> object:
     processes.install(active_recorder, reset_after_fork)
     modules.install(active_recorder)
     steps.install(active_recorder)   # (after modules': see capture/steps.py)
-    patches.install_numpy_reads()
     if kind is EagerMode.DEFER:
         if any(k is EagerMode.DEBUG for k, _ in _stack.live):
             from .debugging import uninit
@@ -275,10 +274,6 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
     block one program however many steps it holds, for a longer program on purpose.
     """
     target = parse_mode(m)
-    if target is EagerMode.DEFER:
-        # (arrays NumPy makes of torch's memory are known from the first defer block on, one
-        # the block tier runs at once included: capture/patches.NUMPY_READS)
-        patches.install_numpy_reads()
     if span not in SPANS:
         raise ModeError(f"span={span!r}: use 'step' (a program ends with each step) or 'block' "
                         f"(the whole block is one program)")

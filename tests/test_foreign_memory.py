@@ -5,6 +5,11 @@ at that op, as strict does, and writes into it must land in it in program order.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -204,12 +209,96 @@ def test_foreign_memory_is_told_apart_from_torchs_own(source, foreign):
     assert storage.foreign(t[1:].untyped_storage()) is foreign     # (views share the storage)
 
 
-def test_a_file_mapped_by_torch_load_is_foreign(tmp_path):
+def _reads_once(t: torch.Tensor) -> bool:
+    """Whether two recorded ops reading ``t`` read one graph input (torch's own memory) rather
+    than a copy each (foreign memory)."""
+    with deferfuse.defer():
+        a = t * 2
+        b = t + 1
+        return a._storage.contents[1].node.inputs[0] is b._storage.contents[1].node.inputs[0]
+
+
+def _train_in_place(t: torch.Tensor) -> torch.Tensor:
+    for step in range(3):
+        t.mul_(0.5).add_(t.square() * 0.1 + step)
+    return t * 1
+
+
+def test_a_privately_mapped_file_is_torchs_own(tmp_path):
+    """torch.load(mmap=True) and safetensors (every from_pretrained model's weights) map their
+    file privately (copy-on-write): nobody else writes that memory, so it reads and is written
+    as torch's own memory, not copied per op nor flushed per write."""
+    import safetensors.torch
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "t.pt")
+    safetensors.torch.save_file({"w": torch.arange(6.0)}, tmp_path / "t.safetensors")
+    loaders = {"torch.load(mmap=True)": lambda: torch.load(tmp_path / "t.pt", mmap=True)["w"],
+               "safetensors": lambda: safetensors.torch.load_file(tmp_path / "t.safetensors")["w"]}
+    for name, load in loaders.items():
+        t = load()
+        assert not t.untyped_storage().resizable()
+        assert not storage.foreign(t.untyped_storage()), name
+        assert _reads_once(t), name
+        deferfuse.reset_stats()
+        with deferfuse.defer():
+            actual = _train_in_place(t)
+        assert "foreign_write" not in deferfuse.stats()["flushes"], name
+        assert_same(_train_in_place(load()), actual)
+        assert_same(_train_in_place(load()) / 2, t / 2)   # (the memory holds every write)
+
+
+def test_memory_mapped_shared_or_imported_stays_foreign(tmp_path):
+    """A file mapped shared is the file's (other processes see and make writes); a NumPy
+    memmap in copy-on-write mode is private but NumPy's to write, which the importer saw."""
+    import mmap
     path = tmp_path / "t.pt"
     torch.save(torch.arange(4.0), path)
-    t = torch.load(path, mmap=True)
+    shared = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=path.stat().st_size)
+    assert storage.foreign(shared)
+    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
+    try:
+        assert storage.foreign(torch.load(path, mmap=True).untyped_storage())
+    finally:
+        torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE)
+    np.arange(8.0).tofile(tmp_path / "a.bin")
+    array = np.memmap(tmp_path / "a.bin", dtype=np.float64, mode="c")
+    t = torch.from_numpy(array)
     assert storage.foreign(t.untyped_storage())
-    assert_same(*_both(lambda: t * 2))
+
+    def program(t):
+        u = t * 2
+        array[1] = 100.0       # (NumPy writes between two ops: the second op sees it)
+        return u, t + 1
+    expected = program(t)
+    array[1] = 1.0
+    with deferfuse.defer():
+        actual = program(t)
+    assert_same(expected, actual)
+
+
+def test_memory_is_known_from_import_on(tmp_path):
+    """An array made of a tensor, or a checkpoint loaded, before the first defer block: known
+    as torch's memory all the same (a resumed run's optimizer flushed at each write of its
+    state when torch.load ran before deferfuse's first block)."""
+    script = tmp_path / "before_first_block.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, torch, deferfuse
+        torch.save({{"exp_avg": torch.zeros(8)}}, {str(tmp_path / "ck.pt")!r})
+        state = torch.load({str(tmp_path / "ck.pt")!r})["exp_avg"]
+        x = torch.randn(8)
+        _ = x.numpy()
+        del _
+        with deferfuse.defer():
+            for _ in range(3):
+                state.mul_(0.9).add_(x * 0.1)
+            a, b = x * 2, x + 1
+            read_once = a._storage.contents[1].node.inputs[0] is b._storage.contents[1].node.inputs[0]
+        print(json.dumps({{"flushes": deferfuse.stats()["flushes"], "read_once": read_once}}))
+        """))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHTPU_MODE"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         timeout=120, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"flushes": {"context_exit": 1}, "read_once": True}
 
 
 def test_reads_of_torchs_own_memory_stay_cached():
@@ -225,3 +314,36 @@ def test_reads_of_torchs_own_memory_stay_cached():
         a = y * 2
         b = y + 1
         assert a._storage.contents[1].node.inputs[0] is not b._storage.contents[1].node.inputs[0]
+
+
+def test_a_from_pretrained_model_trains_as_torchs_own_memory(tmp_path):
+    """A Hugging Face model as users get it (``from_pretrained``: its weights in the
+    safetensors file's private mapping) fine-tuned in a defer block: strict's losses and
+    weights, and its optimizer's writes recorded, not flushed one by one."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def fine_tune():
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses, [p.detach() for p in model.parameters()]
+
+    expected = fine_tune()
+    assert not any(storage.foreign(p.untyped_storage()) for p in
+                   transformers.LlamaForCausalLM.from_pretrained(tmp_path).parameters())
+    deferfuse.reset_stats()
+    with deferfuse.defer():
+        actual = fine_tune()
+    assert "foreign_write" not in deferfuse.stats()["flushes"]
+    assert_same(expected, actual)

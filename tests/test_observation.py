@@ -268,7 +268,7 @@ def test_guarded_methods_are_torchs_own_again_after_blocks():
     assert read_only[0] == before[0] and read_only[1] is not before[1]
     assert all(inside[0][name] is not before[0][name] for name in GUARDED) and inside[1] is not before[1]
     assert _methods() == before
-    # numpy() and __array__ stay wrapped from the first block on: an array NumPy makes of torch's
+    # numpy() and __array__ stay wrapped from import on: an array NumPy makes of torch's
     # memory, in a block or not, is known while it lives (capture/patches.NUMPY_READS)
     assert all(hasattr(getattr(torch.Tensor, name), "__wrapped__") for name in ("numpy", "__array__"))
     with pytest.raises(ZeroDivisionError):

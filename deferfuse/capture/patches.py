@@ -25,7 +25,7 @@ from .collectives import suspended_for_foreign_code
 from .handlers import catches
 from .dispatch_keys import PYTHON_KEY, no_dispatch
 from .opaque import opaque
-from .storage import STATES_BY_PTR, note_torch_memory, show_to_numpy, untyped_storage
+from .storage import STATES_BY_PTR, note_mapped_file, note_torch_memory, show_to_numpy, untyped_storage
 from .tensor import DeferredTensor
 
 # The TorchDispatchMode whose recorder the wrappers look for (DeferMode), set by capture/mode.py.
@@ -121,18 +121,23 @@ def _warning_at_caller(original, self, args, kwargs):
     return result
 
 
-# Reads that hand the memory to NumPy (an array over it): wrapped for good once deferfuse first
-# pushes a mode (install_numpy_reads), blocks or not, so that every array over torch's memory
-# is known while it lives (storage.show_to_numpy): one made before a block, discarded or kept,
-# decides how the block reads that memory.  ~1 us a call outside blocks.
+# Reads that hand the memory to NumPy (an array over it): wrapped for good when deferfuse is
+# imported (install_memory_tracking), so that every array over torch's memory is known while it
+# lives (storage.show_to_numpy): one made before a block, discarded or kept, decides how the
+# block reads that memory.  ~1 us a call outside blocks.  Beside them, the two makers of
+# memory that is not resizable but torch's own: torch.load and UntypedStorage.from_file.
 NUMPY_READS = ("numpy", "__array__")
 _numpy_lock = threading.Lock()
 _numpy_installed = False
 
 
-def install_numpy_reads() -> None:
-    """Wrap torch.Tensor.numpy and __array__ (see NUMPY_READS), and torch.load (its tensors'
-    memory is torch's own, though not resizable: storage.note_torch_memory), once per process."""
+def install_memory_tracking() -> None:
+    """Wrap torch.Tensor.numpy and __array__ (see NUMPY_READS), torch.load (its tensors' memory
+    is torch's own: storage.note_torch_memory) and torch.UntypedStorage.from_file (a file
+    mapped privately is torch's own memory too: storage.note_mapped_file), once per process.
+    Done when deferfuse is imported: a checkpoint loaded, or an array made, before the first
+    block would otherwise leave that memory foreign for good (a resumed run's optimizer flushed
+    at each write of its state)."""
     global _numpy_installed
     if _numpy_installed:
         return
@@ -142,7 +147,18 @@ def install_numpy_reads() -> None:
                 setattr(torch.Tensor, name, _reading(getattr(torch.Tensor, name), FlushReason.NUMPY,
                                                       numpy_view=True))
             torch.load = _loading(torch.load)
+            torch.UntypedStorage.from_file = staticmethod(_mapping(torch.UntypedStorage.from_file))
             _numpy_installed = True
+
+
+def _mapping(original):
+    @functools.wraps(original)
+    def from_file(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if not (args[1] if len(args) > 1 else kwargs.get("shared", False)):
+            note_mapped_file(result)
+        return result
+    return from_file
 
 
 def _loading(original):

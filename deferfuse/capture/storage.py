@@ -82,21 +82,47 @@ def flat_meta(state: StorageState) -> TensorMeta:
 def foreign(storage: torch.UntypedStorage) -> bool:
     """Whether a storage's memory is not torch's own, so that code we do not see may write it:
     memory torch allocated itself is resizable, memory it was handed is not (``from_numpy``,
-    ``frombuffer``, DLPack imports, files mapped by ``torch.load(mmap=True)`` or
-    ``UntypedStorage.from_file``, and also the storages of ``torch.load`` without mmap); memory
-    shared with other processes (``share_memory_``, DataLoader workers' batches) is resizable
-    but theirs to write too.  ``t.numpy()`` makes torch's own memory not resizable for good:
-    memory known to have been torch's when NumPy was shown it (``show_to_numpy``) is foreign
-    only while an array over it lives.  ~0.1 us, asked once per storage state."""
+    ``frombuffer``, DLPack imports, and also the storages of ``torch.load``); memory shared with
+    other processes (``share_memory_``, DataLoader workers' batches, a file mapped shared) is
+    resizable but theirs to write too.  Three kinds of memory that is not resizable are torch's
+    own all the same: memory known to have been torch's when NumPy was shown it
+    (``show_to_numpy``: ``t.numpy()`` makes it not resizable for good), foreign only while an
+    array over it lives; ``torch.load``'s storages (``note_torch_memory``); and files torch
+    mapped privately (``note_mapped_file``: ``torch.load(mmap=True)``, safetensors, so every
+    ``from_pretrained`` model's weights).  ~0.1 us, asked once per storage state."""
+    ptr = storage.data_ptr()
+    if _MAPPED and _mapped_by_torch(ptr):
+        return ptr in EXPOSED   # (is_shared() is true of any file torch mapped)
     if storage.is_shared():
         return True
     if storage.resizable():
         return False
-    ptr = storage.data_ptr()
     shown = _SHOWN.get(ptr)
     if shown is not None and shown() is storage:
         return ptr in EXPOSED
     return True
+
+
+# Files torch mapped privately (copy-on-write), UntypedStorage.from_file(shared=False), which
+# torch.load(mmap=True) and safetensors call: [start, end) and the storage (weakly), alive while
+# any tensor over the file is (a slice of a storage keeps its storage).  POSIX does not promise
+# that another process's writes to the file show in a private mapping, and writes into it are
+# this process's own: no code we do not see writes that memory.  (A NumPy memmap in
+# copy-on-write mode is mapped by NumPy, so a tensor over it stays foreign.)
+_MAPPED: list[tuple[int, int, Any]] = []
+
+
+def note_mapped_file(storage: Any) -> None:
+    """``storage`` is a file torch mapped privately."""
+    if not storage.nbytes():
+        return
+    _MAPPED[:] = [entry for entry in _MAPPED if entry[2]() is not None]
+    ptr = storage.data_ptr()
+    _MAPPED.append((ptr, ptr + storage.nbytes(), weakref.ref(storage)))
+
+
+def _mapped_by_torch(ptr: int) -> bool:
+    return any(start <= ptr < end and ref() is not None for start, end, ref in _MAPPED)
 
 
 # -- memory a NumPy array sees -------------------------------------------------------------------
