@@ -2,7 +2,7 @@
 
     python -m bench.loops [--models mlp,llama,gpt2|all] [--periods 1,10,50,0] [--rounds 3]
                           [--steps mlp=400,llama=100,gpt2=100] [--size tiny|small|medium]
-                          [--long 4000] [--lengths 24] [--deterministic]
+                          [--long 4000] [--lengths 24] [--deterministic] [--way block]
 
 Each cell runs ``corpus/train_logging.py`` in a fresh process: strict (plain ``python``) and
 defer (``python -m deferfuse --mode defer``, every setting at its default, a fresh disk-cache
@@ -14,7 +14,9 @@ every 1,000 steps.  ``--models all``: the MLP and every zoo model that trains.  
 --periods 0``: ``corpus/sample_loop.py``, a loop with no optimizer that reads only at its end.  ``--lengths L``:
 a language model's batches take L token lengths in turn (a text loader without bucketing); the
 "from step L" columns then time the loop from its second epoch of lengths on.
-``--deterministic``: both sides call ``torch.use_deterministic_algorithms(True)`` first.  Results:
+``--deterministic``: both sides call ``torch.use_deterministic_algorithms(True)`` first.  ``--way
+block``: the defer side is the loop inside one ``with deferfuse.defer():`` block (plain ``python``,
+the program's ``--block``), not the default mode.  Results:
 bench/results/<name>.json and a table (docs/performance.md, "Loops").
 """
 
@@ -55,6 +57,8 @@ def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir
                 "--size", size, "--report", report_path, *extra_args]
     if mode == "strict":
         command = [sys.executable, *args]
+    elif mode == "block":
+        command = [sys.executable, *args, "--block"]
     else:
         command = [sys.executable, "-m", "deferfuse", "--mode", "defer", *args]
     env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache_dir, **(extra_env or {}))
@@ -90,7 +94,7 @@ def summary(reports: list[dict[str, Any]], skip: int = 0) -> dict[str, Any]:
 
 
 def measure(models: list[str], periods: list[int], rounds: int, steps: dict[str, int],
-            size: str, lengths: int = 0, deterministic: bool = False) -> list[dict[str, Any]]:
+            size: str, lengths: int = 0, deterministic: bool = False, way: str = "default") -> list[dict[str, Any]]:
     extra = (("--lengths", str(lengths)) if lengths else ()) + (("--deterministic",) if deterministic else ())
     rows = []
     for model in models:
@@ -100,10 +104,11 @@ def measure(models: list[str], periods: list[int], rounds: int, steps: dict[str,
                 order = ("strict", "defer") if k % 2 == 0 else ("defer", "strict")
                 for mode in order:
                     with tempfile.TemporaryDirectory() as cache:
-                        runs[mode].append(run_one(model, period, steps[model], size, mode, cache,
+                        run_as = "block" if mode == "defer" and way == "block" else mode
+                        runs[mode].append(run_one(model, period, steps[model], size, run_as, cache,
                                                   extra_args=extra))
             same = all(r["stdout"] == runs["strict"][0]["stdout"] for r in runs["defer"])
-            row = {"model": model, "period": period, "steps": steps[model], "lengths": lengths,
+            row = {"model": model, "period": period, "steps": steps[model], "lengths": lengths, "way": way,
                    "deterministic": deterministic,
                    "strict": summary(runs["strict"], lengths), "defer": summary(runs["defer"], lengths),
                    "same_losses": same}
@@ -178,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long", type=int, default=0, help="also run the MLP this many steps")
     parser.add_argument("--lengths", type=int, default=0, help="language models' batches take this many lengths")
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    parser.add_argument("--way", default="default", choices=("default", "block"),
+                        help="defer as the default mode, or with the loop in one `with deferfuse.defer():`")
     parser.add_argument("--name", default="loops")
     return parser.parse_args(argv)
 
@@ -195,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         steps.setdefault(m, 100)
     rows = measure(models, [int(p) for p in args.periods.split(",")], args.rounds, steps, args.size,
-                   args.lengths, args.deterministic)
-    result: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds, "size": args.size,
+                   args.lengths, args.deterministic, args.way)
+    result: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds, "size": args.size, "way": args.way,
                               "lengths": args.lengths, "deterministic": args.deterministic, "rows": rows}
     if args.long:
         result["long"] = long_run(args.long, args.size)

@@ -2,15 +2,18 @@
 
     python corpus/train_logging.py [--model mlp|llama|gpt2|...] [--period N] [--steps S]
                                    [--size tiny|small|medium] [--lengths L] [--deterministic]
-                                   [--report PATH]
+                                   [--report PATH] [--block]
 
 ``--period 0`` reads the loss only at the end.  The model is the 64 -> 256 -> 256 -> 1 MLP
 (LayerNorm, GELU) of issue 40, or a model of the zoo (bench/zoo_models.py) at ``--size``;
-AdamW.  Plain PyTorch: run it under ``TORCHTPU_MODE=defer python -m deferfuse`` to defer it.
+AdamW.  Plain PyTorch: run it under ``TORCHTPU_MODE=defer python -m deferfuse`` to defer it, or
+with ``--block``, which puts the whole loop in one ``with deferfuse.defer():`` block (the README's
+way in).
 ``--report`` writes the loop's own timings and peak memory as JSON (bench/loops.py reads it).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -59,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True) first, as a reproducible run does")
     parser.add_argument("--report")
+    parser.add_argument("--block", action="store_true", help="the loop inside one `with deferfuse.defer():`")
     return parser.parse_args(argv)
 
 
@@ -70,18 +74,23 @@ def main() -> None:
     model, loss_of = build(args.model, args.size, args.lengths)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ends, rss = [], []
+    block = contextlib.nullcontext()
+    if args.block:
+        import deferfuse
+        block = deferfuse.defer()
     started = time.perf_counter()
-    for step in range(args.steps):
-        loss = loss_of(step)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if args.period and step % args.period == 0:
-            print(step, f"{loss.item():.4f}")
-        ends.append(time.perf_counter() - started)
-        if (step + 1) % 100 == 0:
-            rss.append(round(rss_mib(), 1))
-    print("final", f"{loss.item():.4f}")
+    with block:
+        for step in range(args.steps):
+            loss = loss_of(step)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if args.period and step % args.period == 0:
+                print(step, f"{loss.item():.4f}")
+            ends.append(time.perf_counter() - started)
+            if (step + 1) % 100 == 0:
+                rss.append(round(rss_mib(), 1))
+        print("final", f"{loss.item():.4f}")
     if args.report:
         report = {"step_ends": ends, "rss_mib_every_100": rss,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

@@ -286,14 +286,20 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
             processes.note_defer_at_once()
         elif not live and config.shortcuts().blocks_timed:
             block = blocks.choice_at(_with_statement_frame())
-            at_once = block.runs_at_once
-            block.starting(at_once)
-            started = blocks.clock()
-            if at_once:
-                STATS.blocks_run_at_once += 1
+            if block.holds_steps and config.shortcuts().segments_timed:
+                # (a block around a loop of steps: the segment tier chooses per step)
+                block = None
+                pushed = _push(EagerMode.DEFER, segmented=True)
             else:
-                unsteady = blocks.unsteady_count()
-                pushed = _push(EagerMode.DEFER)
+                at_once = block.runs_at_once
+                block.starting(at_once)
+                started = blocks.clock()
+                if at_once:
+                    STATS.blocks_run_at_once += 1
+                else:
+                    unsteady = blocks.unsteady_count()
+                    pushed = _push(EagerMode.DEFER)
+                    pushed.recorder.block = block
         elif not (live and live[-1][0] is EagerMode.DEFER):
             pushed = _push(EagerMode.DEFER)
         if pushed is not None:
@@ -326,7 +332,9 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
                 _pop(pushed, ok=ok)
         finally:
             _resume(suspended)
-    if block is not None:   # (the block and its flush ended without an exception)
+    if block is not None and block.holds_steps:
+        blocks.executables.allow_compiles(None)   # (its steps were timed, not the block)
+    elif block is not None:   # (the block and its flush ended without an exception)
         block.finished(blocks.clock() - started,
                        pushed is None or blocks.unsteady_count() == unsteady, pushed is None)
 

@@ -45,6 +45,16 @@ def test_loops_times_a_loop_of_changing_lengths_from_its_second_epoch(tmp_path, 
         assert 0 < row[side]["after_skip_s"] < row[side]["total_s"]
 
 
+def test_loops_times_a_loop_inside_one_defer_block(tmp_path, monkeypatch):
+    from bench import loops
+    monkeypatch.setattr(loops, "RESULTS_DIR", tmp_path)
+    assert loops.main(["--models", "mlp", "--periods", "2", "--rounds", "1", "--steps", "mlp=8",
+                       "--way", "block", "--name", "t"]) == 0
+    (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert row["way"] == "block" and row["same_losses"]
+    assert row["defer"]["flushes"]   # (deferfuse ran the loop: its stats were reported)
+
+
 def test_loops_times_a_loop_with_no_optimizer_that_reads_at_its_end(tmp_path, monkeypatch):
     from bench import loops
     monkeypatch.setattr(loops, "RESULTS_DIR", tmp_path)

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from .. import config
 from ..debugging.source import forget_frames, is_internal, user_line_from
+from ..errors import FlushReason
 from ..stats import STATS
 from . import meta as meta_
 from . import patches
@@ -88,6 +89,19 @@ class DeferMode(TorchDispatchMode):
         BLOCK_PATCHES.hold()
         return result
 
+    def segment(self, segments, place) -> None:
+        """A ``with`` block whose work turned out to be a loop of steps (a block around a whole
+        training loop): from this step's end on, the segment tier (``segments``,
+        exec/blocks.Segments) chooses per step whether it runs deferred or at once, as under
+        the default mode.  The block tier, which chooses per run of the whole block, cannot:
+        the block runs once.  Called at a step's end, with nothing pending."""
+        self.__class__ = SegmentedDeferMode
+        self._start_segments(segments)
+        READ_PATCHES.hold()   # (released by SegmentedDeferMode.__exit__)
+        SEGMENT_READS.mode = self
+        segments.observed(self.recorder, place, FlushReason.STEP)
+        self.settle()
+
     def __exit__(self, exc_type, exc_value, traceback):
         try:
             BLOCK_PATCHES.release()
@@ -142,6 +156,9 @@ class SegmentedDeferMode(DeferMode):
 
     def __init__(self, segments) -> None:
         super().__init__()
+        self._start_segments(segments)
+
+    def _start_segments(self, segments) -> None:
         self.recorder.segments = segments
         # a program starts at once, as strict, until its first boundary, or until it may run
         # deferred to find one (Segments.may_discover)

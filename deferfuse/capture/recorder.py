@@ -106,6 +106,11 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         # while at_once_segment, every op runs at once (run_at_once)
         self.segments: Any = None
         self.at_once_segment = False
+        # the block tier's choice (exec/blocks.BlockChoice) of the outermost ``with`` block this
+        # recorder records, and the steps that ended in this run of it: a second one means the
+        # block holds a loop of steps, which the segment tier then chooses for (step_ended)
+        self.block: Any = None
+        self.block_steps = 0
         # id(plain tensor) -> (weak ref, entry, site) of results of ops run at once where their
         # flushes were lone: one of them feeding a recorded op means that place fuses again
         self.at_once: dict[int, tuple] = {}
@@ -599,6 +604,12 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
             self.mode.settle()
         elif self.step_boundaries and not self.whole_blocks:
             self.flush_all(FlushReason.STEP)
+            if self.block is not None:
+                self.block_steps += 1
+                if self.block_steps >= 2 and config.shortcuts().segments_timed:
+                    from ..exec.blocks import BLOCK_CREDIT_S, Segments
+                    self.block.holds_steps = True
+                    self.mode.segment(Segments(credit=BLOCK_CREDIT_S, trial_runs=0.0), place)
 
     def at_bound(self) -> None:
         """More nodes are pending than ``check_at``: past ``max_pending_nodes`` everything is

@@ -148,11 +148,14 @@ class BlockChoice:
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
                  "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
-                 "compiling", "credit", "unpriced", "startup", "trial_runs")
+                 "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_steps")
 
     def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0,
                  trial_runs: float = 0.0) -> None:
         self.place = place
+        # whether a run of the block held a loop of steps: its steps are chosen for by the
+        # segment tier (capture/mode.DeferMode.segment), not the block as a whole
+        self.holds_steps = False
         # a first deferred run's expected cost over at once, in runs at once, beyond
         # first_trial_estimate() (SEGMENT_TRIAL_RUNS for a default mode's segments)
         self.trial_runs = trial_runs
@@ -535,9 +538,17 @@ class Segments:
     The recorder calls ``observed`` after each boundary read; the segment that ended is timed,
     the next one's way is chosen."""
 
-    __slots__ = ("choice", "started", "unsteady", "way", "created", "streak", "runs", "streak_at")
+    __slots__ = ("choice", "started", "unsteady", "way", "created", "streak", "runs", "streak_at", "credit",
+                 "trial_runs")
 
-    def __init__(self) -> None:
+    def __init__(self, credit: float = 0.0, trial_runs: float = SEGMENT_TRIAL_RUNS) -> None:
+        # what a new place's choice may explore before its time has run (BlockChoice.credit) and
+        # what its first deferred run is expected to cost, in its runs at once: a default mode's
+        # segments start at once and try the deferred way once the budget affords a first
+        # sighting; a ``with`` block's steps (capture/mode.DeferMode.segment) ran deferred
+        # already, first sightings included, and try it from their first run, as blocks do
+        self.credit = credit
+        self.trial_runs = trial_runs
         self.choice: Optional[BlockChoice] = None
         self.started = 0.0
         self.unsteady = 0
@@ -647,7 +658,8 @@ class Segments:
             if len(_PLACES) >= _MAX_PLACES:
                 _PLACES.clear()
             what = "steps ending" if step else "reads starting segments"
-            choice = _PLACES[key] = BlockChoice(f"{place} ({what})", trial_runs=SEGMENT_TRIAL_RUNS)
+            choice = _PLACES[key] = BlockChoice(f"{place} ({what})", credit=self.credit,
+                                                trial_runs=self.trial_runs)
             _QUIET.clear()
         self.choice = choice
         self.way = recorder.at_once_segment = choice.runs_at_once   # (nothing pending: flushed above)
