@@ -286,7 +286,7 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
             processes.note_defer_at_once()
         elif not live and config.shortcuts().blocks_timed:
             block = blocks.choice_at(_with_statement_frame())
-            if block.holds_steps and config.shortcuts().segments_timed:
+            if block.holds_loop and config.shortcuts().segments_timed:
                 # (a block around a loop of steps: the segment tier chooses per step)
                 block = None
                 pushed = _push(EagerMode.DEFER, segmented=True)
@@ -332,7 +332,7 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
                 _pop(pushed, ok=ok)
         finally:
             _resume(suspended)
-    if block is not None and block.holds_steps:
+    if block is not None and block.holds_loop:
         blocks.executables.allow_compiles(None)   # (its steps were timed, not the block)
     elif block is not None:   # (the block and its flush ended without an exception)
         block.finished(blocks.clock() - started,

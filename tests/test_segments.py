@@ -401,3 +401,36 @@ def test_a_with_block_per_step_stays_a_block(clock):
                 opt.zero_grad()
                 clock.now += 0.1
     assert not [c for c in blocks.choices() if "steps ending" in c.place]
+
+
+def _evaluate(steps: int, read: str, clock=None, deferred_s: float = 1.0, at_once_s: float = 1.0):
+    """An evaluation loop with no optimizer that reads a metric every iteration."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 3)
+    seen = []
+    for k in range(steps):
+        x = torch.randn(8, 6)
+        score = (x @ w).softmax(-1).max(-1).values.mean() * (k + 1)
+        if clock is not None:
+            clock.now += at_once_s if modes.active_recorder().at_once_segment else deferred_s
+        seen.append(score.item() if read == "item" else f"{score:.6f}")
+    return seen
+
+
+@pytest.mark.parametrize("read", ["item", "format"])
+@pytest.mark.parametrize("deferred_s, at_once_s, chosen", [(1.0, 0.1, blocks.Phase.AT_ONCE),
+                                                          (0.1, 1.0, blocks.Phase.DEFERRED)],
+                         ids=["faster-at-once", "faster-deferred"])
+def test_a_with_block_around_a_loop_of_reads_chooses_per_iteration(clock, deferred_s, at_once_s, chosen, read):
+    """A block around an evaluation loop that reads every iteration (no optimizer: no step
+    ends): the second read at the same place that computed its value hands the iterations to
+    the segment tier (an inference loop of a small Llama: 54 ms an iteration, strict's 15)."""
+    expected = _evaluate(40, read)
+    deferfuse.reset_stats()
+    with config.override(eager_blocks=True, eager_segments=True, always_compile=False):
+        with deferfuse.defer():
+            actual = _evaluate(40, read, clock, deferred_s, at_once_s)
+    assert actual == expected
+    assert _segment_choice(_evaluate).phase is chosen
+    at_once = deferfuse.stats()["blocks_run_at_once"]
+    assert at_once > 20 if chosen is blocks.Phase.AT_ONCE else at_once == blocks.SAMPLES

@@ -144,7 +144,14 @@ class AtOnceMixin:
     def run_observing(self, func, info, args, kwargs) -> Any:
         reason = FlushReason.ITEM if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) \
             else FlushReason.OBSERVING_OP
-        return self.run_eager(func, info, args, kwargs, reason, None)
+        if self.block is None or self.segments is not None:
+            return self.run_eager(func, info, args, kwargs, reason, None)
+        flushed = STATS.flushes[reason.value]
+        result = self.run_eager(func, info, args, kwargs, reason, None)
+        if reason is FlushReason.ITEM and STATS.flushes[reason.value] != flushed:
+            # (.item() in a block around a loop: Recorder.read_ended)
+            self.read_ended(user_line_from(sys._getframe(1)))
+        return result
 
     def run_allocation(self, func, info, args, kwargs) -> Any:
         """empty*: allocate real memory now; only the inputs' metadata matters."""

@@ -89,17 +89,17 @@ class DeferMode(TorchDispatchMode):
         BLOCK_PATCHES.hold()
         return result
 
-    def segment(self, segments, place) -> None:
-        """A ``with`` block whose work turned out to be a loop of steps (a block around a whole
-        training loop): from this step's end on, the segment tier (``segments``,
-        exec/blocks.Segments) chooses per step whether it runs deferred or at once, as under
-        the default mode.  The block tier, which chooses per run of the whole block, cannot:
-        the block runs once.  Called at a step's end, with nothing pending."""
+    def segment(self, segments, place, reason: FlushReason) -> None:
+        """A ``with`` block whose work turned out to be a loop (a block around a whole training
+        or evaluation loop): from this boundary on (a step's end, ``reason`` STEP, or a read),
+        the segment tier (``segments``, exec/blocks.Segments) chooses per iteration whether it
+        runs deferred or at once, as under the default mode.  The block tier, which chooses per
+        run of the whole block, cannot: the block runs once."""
         self.__class__ = SegmentedDeferMode
         self._start_segments(segments)
         READ_PATCHES.hold()   # (released by SegmentedDeferMode.__exit__)
         SEGMENT_READS.mode = self
-        segments.observed(self.recorder, place, FlushReason.STEP)
+        segments.observed(self.recorder, place, reason)
         self.settle()
 
     def __exit__(self, exc_type, exc_value, traceback):

@@ -111,6 +111,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         # block holds a loop of steps, which the segment tier then chooses for (step_ended)
         self.block: Any = None
         self.block_steps = 0
+        self.block_reads: set = set()   # the places of reads that computed values, this run
         # id(plain tensor) -> (weak ref, entry, site) of results of ops run at once where their
         # flushes were lone: one of them feeding a recorded op means that place fuses again
         self.at_once: dict[int, tuple] = {}
@@ -606,10 +607,32 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
             self.flush_all(FlushReason.STEP)
             if self.block is not None:
                 self.block_steps += 1
-                if self.block_steps >= 2 and config.shortcuts().segments_timed:
-                    from ..exec.blocks import BLOCK_CREDIT_S, Segments
-                    self.block.holds_steps = True
-                    self.mode.segment(Segments(credit=BLOCK_CREDIT_S, trial_runs=0.0), place)
+                if self.block_steps >= 2:
+                    self._segment_block(place, FlushReason.STEP)
+
+    def read_ended(self, place: Any) -> None:
+        """A read by the user's code computed pending values (it flushed) in a run of an
+        outermost timed block: a second such read at the same place in one run means the block
+        holds a loop (an evaluation loop printing a metric), whose iterations the segment tier
+        then chooses for, as a second step's end does (step_ended)."""
+        if self.block is None or self.segments is not None or self.whole_blocks or place is None:
+            return
+        key = (place.code, place.line)
+        if key in self.block_reads:
+            self._segment_block(place, FlushReason.SYNC)
+        else:
+            self.block_reads.add(key)
+
+    def _segment_block(self, place: Any, reason: FlushReason) -> None:
+        """The block this recorder records holds a loop: from this boundary on its iterations
+        are the segment tier's (capture/mode.DeferMode.segment).  Its iterations ran deferred
+        already, first sightings included, so they try that way from their first run, as a
+        block does (a block's exploration credit, no first-trial estimate)."""
+        if not config.shortcuts().segments_timed:
+            return
+        from ..exec.blocks import BLOCK_CREDIT_S, Segments
+        self.block.holds_loop = True
+        self.mode.segment(Segments(credit=BLOCK_CREDIT_S, trial_runs=0.0), place, reason)
 
     def at_bound(self) -> None:
         """More nodes are pending than ``check_at``: past ``max_pending_nodes`` everything is

@@ -136,12 +136,15 @@ class DeferredTensor(torch.Tensor):
         with no_dispatch():
             result = use(self._materialize(reason, exposes))
         recorder = self._recorder
-        if pending and recorder.segments is not None and recorder.active:
-            # (a read that computed its value ends a default defer mode's segment: printing a
-            # loss, f"{loss:.4f}", as .item() does; exec/blocks.Segments)
+        if pending and recorder.active:
             from ..debugging.source import user_line   # (the debugging package imports us)
-            recorder.segments.observed(recorder, user_line())
-            recorder.mode.settle()   # (a segment at once runs with the mode off: SegmentedDeferMode)
+            if recorder.segments is not None:
+                # (a read that computed its value ends a default defer mode's segment: printing
+                # a loss, f"{loss:.4f}", as .item() does; exec/blocks.Segments)
+                recorder.segments.observed(recorder, user_line())
+                recorder.mode.settle()   # (a segment at once runs with the mode off: SegmentedDeferMode)
+            elif recorder.block is not None:
+                recorder.read_ended(user_line())   # (a block around a loop: Recorder.read_ended)
         return result
 
     def _as_strict(self, reason: FlushReason, use, exposes: bool = True,

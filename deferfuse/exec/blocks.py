@@ -148,14 +148,15 @@ class BlockChoice:
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
                  "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
-                 "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_steps")
+                 "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_loop")
 
     def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0,
                  trial_runs: float = 0.0) -> None:
         self.place = place
-        # whether a run of the block held a loop of steps: its steps are chosen for by the
-        # segment tier (capture/mode.DeferMode.segment), not the block as a whole
-        self.holds_steps = False
+        # whether a run of the block held a loop (of optimizer steps, or of reads that computed
+        # values): its iterations are chosen for by the segment tier (Recorder.step_ended and
+        # read_ended, capture/mode.DeferMode.segment), not the block as a whole
+        self.holds_loop = False
         # a first deferred run's expected cost over at once, in runs at once, beyond
         # first_trial_estimate() (SEGMENT_TRIAL_RUNS for a default mode's segments)
         self.trial_runs = trial_runs
