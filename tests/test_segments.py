@@ -434,3 +434,36 @@ def test_a_with_block_around_a_loop_of_reads_chooses_per_iteration(clock, deferr
     assert _segment_choice(_evaluate).phase is chosen
     at_once = deferfuse.stats()["blocks_run_at_once"]
     assert at_once > 20 if chosen is blocks.Phase.AT_ONCE else at_once == blocks.SAMPLES
+
+
+@pytest.mark.parametrize("deferred_s, at_once_s", [(1.0, 0.1), (0.1, 1.0)], ids=["at-once", "deferred"])
+def test_an_exception_in_a_block_handed_to_the_segment_tier_leaves_torch_as_it_was(clock, deferred_s, at_once_s):
+    """A loop that raises after its block was handed to the segment tier (its mode changed in
+    place, possibly off the dispatch stack while a step runs at once): the exception reaches
+    the user, and torch's dispatch stack and methods are as before the block."""
+    before = ({name: torch.Tensor.__dict__.get(name) for name in ("item", "tolist", "__format__", "__bool__")},
+              _deferfuse_modes_on_the_stack())
+
+    def failing_loop():
+        with deferfuse.defer():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x = torch.randn(8, 4)
+            for step in range(30):
+                loss = model(x).square().mean()
+                loss.backward()
+                clock.now += at_once_s if modes.active_recorder().at_once_segment else deferred_s
+                opt.step()
+                opt.zero_grad()
+                if step == 25:
+                    assert modes.active_recorder().segments is not None
+                    raise KeyError(f"{loss:.4f}")
+    with config.override(eager_blocks=True, eager_segments=True, always_compile=False):
+        with pytest.raises(KeyError):
+            failing_loop()
+    after = ({name: torch.Tensor.__dict__.get(name) for name in ("item", "tolist", "__format__", "__bool__")},
+             _deferfuse_modes_on_the_stack())
+    assert after == before
+    assert deferfuse.get_mode() is deferfuse.EagerMode.STRICT
+    assert torch.ones(2).add(1).tolist() == [2.0, 2.0]
