@@ -45,6 +45,7 @@ def test_loops_times_a_loop_of_changing_lengths_from_its_second_epoch(tmp_path, 
         assert 0 < row[side]["after_skip_s"] < row[side]["total_s"]
 
 
+@pytest.mark.slow   # (two fresh processes: ~20 s)
 def test_loops_times_a_loop_inside_one_defer_block(tmp_path, monkeypatch):
     from bench import loops
     monkeypatch.setattr(loops, "RESULTS_DIR", tmp_path)
