@@ -63,8 +63,8 @@ def reset_stats() -> None:
 
 
 def _track_memory() -> None:
-    # NumPy's arrays over torch's memory, torch.load's tensors and imported memory, known from
-    # import on, not from the first block (capture/patches.install_memory_tracking)
+    # NumPy's arrays over torch's memory, torch.load's tensors and the files torch maps, known
+    # from import on, not from the first block (capture/patches.install_memory_tracking)
     from .capture import patches
     patches.install_memory_tracking()
 

@@ -23,7 +23,7 @@ import threading
 from typing import Iterator, Optional, Union
 
 from . import config, processes
-from .capture import handlers, modules, patches, steps
+from .capture import handlers, modules, steps
 from .errors import FlushReason, ModeError
 from .exec import blocks
 from .stats import STATS
@@ -287,7 +287,7 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
         elif not live and config.shortcuts().blocks_timed:
             block = blocks.choice_at(_with_statement_frame())
             if block.holds_loop and config.shortcuts().segments_timed:
-                # (a block around a loop of steps: the segment tier chooses per step)
+                # (a block around a loop: the segment tier chooses per iteration)
                 block = None
                 pushed = _push(EagerMode.DEFER, segmented=True)
             else:
@@ -333,7 +333,7 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
         finally:
             _resume(suspended)
     if block is not None and block.holds_loop:
-        blocks.executables.allow_compiles(None)   # (its steps were timed, not the block)
+        blocks.executables.allow_compiles(None)   # (its iterations were timed, not the block)
     elif block is not None:   # (the block and its flush ended without an exception)
         block.finished(blocks.clock() - started,
                        pushed is None or blocks.unsteady_count() == unsteady, pushed is None)
