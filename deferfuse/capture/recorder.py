@@ -606,6 +606,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         elif self.step_boundaries and not self.whole_blocks:
             self.flush_all(FlushReason.STEP)
             if self.block is not None:
+                self.block.iteration_ended()
                 self.block_steps += 1
                 if self.block_steps >= 2:
                     self._segment_block(place, FlushReason.STEP)
@@ -617,6 +618,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         then chooses for, as a second step's end does (step_ended)."""
         if self.block is None or self.segments is not None or self.whole_blocks or place is None:
             return
+        self.block.iteration_ended()
         key = (place.code, place.line)
         if key in self.block_reads:
             self._segment_block(place, FlushReason.SYNC)
@@ -627,12 +629,14 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         """The block this recorder records holds a loop: from this boundary on its iterations
         are the segment tier's (capture/mode.DeferMode.segment).  Its iterations ran deferred
         already, first sightings included, so they try that way from their first run, as a
-        block does (a block's exploration credit, no first-trial estimate)."""
+        block does (a block's exploration credit, no first-trial estimate), less what they
+        have cost already (BlockChoice.loop_seed)."""
         if not config.shortcuts().segments_timed:
             return
         from ..exec.blocks import BLOCK_CREDIT_S, Segments
         self.block.holds_loop = True
-        self.mode.segment(Segments(credit=BLOCK_CREDIT_S, trial_runs=0.0), place, reason)
+        self.mode.segment(Segments(credit=BLOCK_CREDIT_S, trial_runs=0.0, seed=self.block.loop_seed()),
+                          place, reason)
 
     def at_bound(self) -> None:
         """More nodes are pending than ``check_at``: past ``max_pending_nodes`` everything is

@@ -148,7 +148,7 @@ class BlockChoice:
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
                  "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
-                 "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_loop")
+                 "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_loop", "marks")
 
     def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0,
                  trial_runs: float = 0.0) -> None:
@@ -157,6 +157,10 @@ class BlockChoice:
         # values): its iterations are chosen for by the segment tier (Recorder.step_ended and
         # read_ended, capture/mode.DeferMode.segment), not the block as a whole
         self.holds_loop = False
+        # a deferred run's start and the ends of the loop iterations seen in it so far, each as
+        # (clock, startup_seconds): what its loop's iterations cost before the segment tier
+        # took them (loop_seed)
+        self.marks: list[tuple[float, float]] = []
         # a first deferred run's expected cost over at once, in runs at once, beyond
         # first_trial_estimate() (SEGMENT_TRIAL_RUNS for a default mode's segments)
         self.trial_runs = trial_runs
@@ -234,6 +238,7 @@ class BlockChoice:
         a choice made on eager replays has not shown it yet."""
         self.compiling = executables.compiles_pending()
         self.startup = startup_seconds()
+        self.marks = [] if at_once else [(clock(), self.startup)]
         allowance = None
         if not at_once and config.get("explore_share") < 1.0:
             left = config.get("explore_share") * self.elapsed + self.credit - self.spent - (self.trial or 0.0)
@@ -290,6 +295,24 @@ class BlockChoice:
             elif steady:
                 self._watch_for_drift(seconds)
 
+    def iteration_ended(self) -> None:
+        """A deferred run of this block reached the end of a loop iteration (an optimizer step's
+        end, a read that computed values), its work flushed."""
+        if self.marks:
+            self.marks.append((clock(), startup_seconds()))
+
+    def loop_seed(self) -> Optional[tuple[float, float]]:
+        """What this run of the block cost before its loop's iterations went to the segment tier
+        (Segments' ``seed``): its deferred seconds up to the iteration before the last, and the
+        last iteration's, both without the process's one-off costs; None before an iteration
+        ended."""
+        marks = self.marks
+        if len(marks) < 2:
+            return None
+        (start, startup0), (before, startup1), (now, startup2) = marks[0], marks[-2], marks[-1]
+        last = max(0.0, (now - before) - (startup2 - startup1))
+        return max(0.0, (now - start) - (startup2 - startup0) - last), last
+
     def settled_runs(self) -> int:
         """How many runs at once may follow the next without being timed one by one (at most
         STREAK_MAX): while the choice is at once and its recheck is further away, or while the
@@ -311,6 +334,16 @@ class BlockChoice:
         if run <= 0.0 or short <= 0.0:
             return 0
         return max(0, min(STREAK_MAX, int(short / run) - 2))
+
+    def seeded(self, spent: float, last: float) -> None:
+        """Start from deferred runs of this place that ran before it was known (a ``with``
+        block's first loop iterations): ``spent`` seconds of them, and a last one of ``last``
+        seconds, priced against the next run at once; their time counts as exploration, first
+        sightings and compiles included.  (A Llama fine-tune in one block spent 2.2 s on its
+        first two steps, then 2.4 s more on deferred trials its credit still allowed.)"""
+        self.elapsed += spent + last
+        self.spent += spent
+        self.unpriced = last
 
     def _account(self, seconds: float, at_once: bool) -> None:
         """The budget's books after a run: its time, and what a deferred run (with the compiles
@@ -540,16 +573,20 @@ class Segments:
     the next one's way is chosen."""
 
     __slots__ = ("choice", "started", "unsteady", "way", "created", "streak", "runs", "streak_at", "credit",
-                 "trial_runs")
+                 "trial_runs", "seed")
 
-    def __init__(self, credit: float = 0.0, trial_runs: float = SEGMENT_TRIAL_RUNS) -> None:
+    def __init__(self, credit: float = 0.0, trial_runs: float = SEGMENT_TRIAL_RUNS,
+                 seed: Optional[tuple[float, float]] = None) -> None:
         # what a new place's choice may explore before its time has run (BlockChoice.credit) and
         # what its first deferred run is expected to cost, in its runs at once: a default mode's
         # segments start at once and try the deferred way once the budget affords a first
-        # sighting; a ``with`` block's steps (capture/mode.DeferMode.segment) ran deferred
-        # already, first sightings included, and try it from their first run, as blocks do
+        # sighting; a ``with`` block's iterations (capture/mode.DeferMode.segment) ran deferred
+        # already, first sightings included: they have a block's credit, no first-trial
+        # estimate, and what they cost so far (``seed``: BlockChoice.loop_seed) is charged to
+        # the first place they end at, so that the block and its loop share one credit
         self.credit = credit
         self.trial_runs = trial_runs
+        self.seed = seed
         self.choice: Optional[BlockChoice] = None
         self.started = 0.0
         self.unsteady = 0
@@ -662,6 +699,9 @@ class Segments:
             choice = _PLACES[key] = BlockChoice(f"{place} ({what})", credit=self.credit,
                                                 trial_runs=self.trial_runs)
             _QUIET.clear()
+            if self.seed is not None:
+                choice.seeded(*self.seed)
+        self.seed = None
         self.choice = choice
         self.way = recorder.at_once_segment = choice.runs_at_once   # (nothing pending: flushed above)
         choice.starting(self.way)
