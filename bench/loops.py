@@ -2,7 +2,7 @@
 
     python -m bench.loops [--models mlp,llama,gpt2|all] [--periods 1,10,50,0] [--rounds 3]
                           [--steps mlp=400,llama=100,gpt2=100] [--size tiny|small|medium]
-                          [--long 4000] [--lengths 24] [--deterministic] [--way block]
+                          [--long 4000] [--lengths 24] [--deterministic] [--way block|step-block]
 
 Each cell runs ``corpus/train_logging.py`` in a fresh process: strict (plain ``python``) and
 defer (``python -m deferfuse --mode defer``, every setting at its default, a fresh disk-cache
@@ -16,7 +16,8 @@ a language model's batches take L token lengths in turn (a text loader without b
 "from step L" columns then time the loop from its second epoch of lengths on.
 ``--deterministic``: both sides call ``torch.use_deterministic_algorithms(True)`` first.  ``--way
 block``: the defer side is the loop inside one ``with deferfuse.defer():`` block (plain ``python``,
-the program's ``--block``), not the default mode.  Results:
+the program's ``--block``), not the default mode; ``--way step-block``: one such block around each
+step (``--block step``).  Results:
 bench/results/<name>.json and a table (docs/performance.md, "Loops").
 """
 
@@ -57,8 +58,8 @@ def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir
                 "--size", size, "--report", report_path, *extra_args]
     if mode == "strict":
         command = [sys.executable, *args]
-    elif mode == "block":
-        command = [sys.executable, *args, "--block"]
+    elif mode in ("block", "step-block"):
+        command = [sys.executable, *args, "--block", "loop" if mode == "block" else "step"]
     else:
         command = [sys.executable, "-m", "deferfuse", "--mode", "defer", *args]
     env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache_dir, **(extra_env or {}))
@@ -104,7 +105,7 @@ def measure(models: list[str], periods: list[int], rounds: int, steps: dict[str,
                 order = ("strict", "defer") if k % 2 == 0 else ("defer", "strict")
                 for mode in order:
                     with tempfile.TemporaryDirectory() as cache:
-                        run_as = "block" if mode == "defer" and way == "block" else mode
+                        run_as = way if mode == "defer" and way != "default" else mode
                         runs[mode].append(run_one(model, period, steps[model], size, run_as, cache,
                                                   extra_args=extra))
             same = all(r["stdout"] == runs["strict"][0]["stdout"] for r in runs["defer"])
@@ -183,8 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long", type=int, default=0, help="also run the MLP this many steps")
     parser.add_argument("--lengths", type=int, default=0, help="language models' batches take this many lengths")
     parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
-    parser.add_argument("--way", default="default", choices=("default", "block"),
-                        help="defer as the default mode, or with the loop in one `with deferfuse.defer():`")
+    parser.add_argument("--way", default="default", choices=("default", "block", "step-block"),
+                        help="defer as the default mode, with the loop in one `with deferfuse.defer():` "
+                             "(block), or with one around each step (step-block)")
     parser.add_argument("--name", default="loops")
     return parser.parse_args(argv)
 

@@ -2,13 +2,13 @@
 
     python corpus/train_logging.py [--model mlp|llama|gpt2|...] [--period N] [--steps S]
                                    [--size tiny|small|medium] [--lengths L] [--deterministic]
-                                   [--report PATH] [--block]
+                                   [--report PATH] [--block [loop|step]]
 
 ``--period 0`` reads the loss only at the end.  The model is the 64 -> 256 -> 256 -> 1 MLP
 (LayerNorm, GELU) of issue 40, or a model of the zoo (bench/zoo_models.py) at ``--size``;
 AdamW.  Plain PyTorch: run it under ``TORCHTPU_MODE=defer python -m deferfuse`` to defer it, or
 with ``--block``, which puts the whole loop in one ``with deferfuse.defer():`` block (the README's
-way in).
+way in), or ``--block step``, one block per step.
 ``--report`` writes the loop's own timings and peak memory as JSON (bench/loops.py reads it).
 """
 
@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True) first, as a reproducible run does")
     parser.add_argument("--report")
-    parser.add_argument("--block", action="store_true", help="the loop inside one `with deferfuse.defer():`")
+    parser.add_argument("--block", nargs="?", const="loop", choices=("loop", "step"),
+                        help="the loop inside one `with deferfuse.defer():` (loop, the default), or "
+                             "each step inside one (step)")
     return parser.parse_args(argv)
 
 
@@ -74,17 +76,21 @@ def main() -> None:
     model, loss_of = build(args.model, args.size, args.lengths)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ends, rss = [], []
-    block = contextlib.nullcontext()
+    block = step_block = contextlib.nullcontext
     if args.block:
         import deferfuse
-        block = deferfuse.defer()
+        if args.block == "loop":
+            block = deferfuse.defer
+        else:
+            step_block = deferfuse.defer
     started = time.perf_counter()
-    with block:
+    with block():
         for step in range(args.steps):
-            loss = loss_of(step)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            with step_block():
+                loss = loss_of(step)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
             if args.period and step % args.period == 0:
                 print(step, f"{loss.item():.4f}")
             ends.append(time.perf_counter() - started)
