@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import importlib
 import sys
-import time
 import types
 from typing import Any
 
-from .stats import note_startup
+from .stats import one_off
 
 
 class LazyModule(types.ModuleType):
@@ -31,11 +30,11 @@ class LazyModule(types.ModuleType):
         self._lazy_namespaces: list[tuple[dict, str]] = []
 
     def _lazy_load(self) -> types.ModuleType:
-        first = self._lazy_target not in sys.modules
-        started = time.perf_counter()
-        module = importlib.import_module(self._lazy_target)
-        if first:
-            note_startup(time.perf_counter() - started)
+        if self._lazy_target in sys.modules:
+            module = sys.modules[self._lazy_target]
+        else:
+            with one_off():
+                module = importlib.import_module(self._lazy_target)
         for namespace, name in self._lazy_namespaces:
             if namespace.get(name) is self:
                 namespace[name] = module

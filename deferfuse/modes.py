@@ -26,7 +26,7 @@ from . import config, processes
 from .capture import handlers, modules, steps
 from .errors import FlushReason, ModeError
 from .exec import blocks
-from .stats import STATS
+from .stats import STATS, one_off
 
 
 class EagerMode(enum.Enum):
@@ -151,6 +151,9 @@ _GC_FREEZE = _GcFreeze()
 
 
 def _start_defer(segmented: bool = False):
+    if "deferfuse.capture.mode" not in sys.modules:
+        with one_off():   # (the recorder's modules, loaded by a process's first defer mode)
+            from .capture import mode  # noqa: F401
     from .capture.mode import DeferMode, SegmentedDeferMode
     handle = SegmentedDeferMode(blocks.Segments()) if segmented else DeferMode()
     handle.__enter__()

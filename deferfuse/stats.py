@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
-from typing import Any
+import contextlib
+import threading
+import time
+from typing import Any, Iterator
 
 
 class Stats:
@@ -84,8 +87,27 @@ STATS = Stats()
 _STARTUP = [0.0]
 
 
+_ONE_OFF = threading.local()   # (depth: one-off costs met inside one another count once)
+
+
 def note_startup(seconds: float) -> None:
     _STARTUP[0] += seconds
+
+
+@contextlib.contextmanager
+def one_off() -> Iterator[None]:
+    """Time the block as a one-off cost (note_startup), unless it runs inside another one on
+    this thread (the lowering table loaded by the first metadata inference), which counts it."""
+    if getattr(_ONE_OFF, "depth", 0):
+        yield
+        return
+    _ONE_OFF.depth = 1
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        _ONE_OFF.depth = 0
+        note_startup(time.perf_counter() - started)
 
 
 def startup_seconds() -> float:

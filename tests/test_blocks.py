@@ -528,6 +528,65 @@ def test_where_deferring_pays_the_budget_is_not_spent_and_the_place_defers(tier)
     assert first <= 10 and set(types[-10:]) == {DeferredTensor}
 
 
+@pytest.mark.parametrize("deferred, at_once, compile_s, explores", [
+    (0.3, 0.01, 0.0, False),     # its first deferred run cost 29 runs at once over one
+    (0.03, 0.01, 10.0, False),   # cheap to run, but its ops would take 10 s to compile
+    (0.03, 0.01, 0.0, True),     # cheap: a GELU chain over large tensors
+], ids=["costly-first-run", "costly-compiles", "cheap"])
+def test_a_with_places_credit_goes_on_only_where_its_first_run_shows_exploring_cheap(
+        tier, monkeypatch, deferred, at_once, compile_s, explores):
+    """A ``with`` place's credit (BLOCK_CREDIT_S) paid for deferred runs until it was spent,
+    whatever the first one showed: a ResNet step per block spent 0.4 s on its first deferred run
+    (18 runs at once), then 2 s more on three deferred runs and a compile, 1.83x strict's time
+    over 100 steps.  Once the first deferred run is priced, the credit goes on only if that run
+    cost at most CHEAP_FIRST_RUNS runs at once over one and compiling what it recorded fits the
+    credit; the first deferred run itself compiles nothing."""
+    from deferfuse.exec import executables
+    clock = tier(deferred, at_once)
+    monkeypatch.setattr(blocks, "startup_seconds", lambda: 0.0)   # (no one-off cost of this process's)
+    monkeypatch.setattr(executables, "compile_estimate", lambda n_nodes: compile_s)
+    x = torch.randn(11, 9)
+    allowances = []
+
+    def block():
+        with deferfuse.defer():
+            clock.spend()
+            if active_recorder() is not None:
+                allowances.append(executables._ALLOWANCE.seconds)
+            y = torch.tanh(x * 0.75 + 0.5) * x
+        return y
+    with config.override(explore_share=0.05):
+        types = [type(block()) for _ in range(40)]
+        described = _only_place().describe()
+    assert types[:2] == [DeferredTensor, torch.Tensor]   # (the first run, then its price)
+    assert allowances[0] == 0.0
+    if explores:
+        assert types.count(DeferredTensor) > 3 and any(a for a in allowances[1:])
+    else:
+        assert types.count(DeferredTensor) == 1, types
+        assert "waits for the exploration budget" in described
+
+
+def test_one_off_costs_met_inside_one_another_count_once(monkeypatch):
+    """A process's one-off costs (JAX's start, the lowering table, the recorder's modules, the
+    first metadata inference) are left out of what a place's run cost (stats.one_off); one met
+    inside another (the lowering table loaded by the first inference) counts once."""
+    import sys
+    import types
+    stats = sys.modules["deferfuse.stats"]   # (deferfuse.stats is the function stats())
+    now = [0.0]
+    monkeypatch.setattr(stats, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    before = stats.startup_seconds()
+    with stats.one_off():
+        now[0] += 1.0
+        with stats.one_off():
+            now[0] += 2.0
+    with pytest.raises(KeyError), stats.one_off():
+        now[0] += 0.5
+        raise KeyError("an import that failed still took its time")
+    assert stats.startup_seconds() - before == 3.5
+
+
 def test_a_default_mode_segment_starts_at_once_and_tries_within_its_budget(monkeypatch):
     """A segment asks for nothing (no credit): it runs at once until a first deferred run fits
     explore_share of its time."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 import warnings
 from typing import Any, Optional
 
@@ -27,7 +26,7 @@ from ..ir.meta import TensorMeta
 from ..lower import dtypes as _dtypes
 from ..lower.registry import Lowering, LoweringContext, OnTorch, raises_on_values
 from ..lower.table import get_lowering, get_shape_rule
-from ..stats import STATS, note_startup
+from ..stats import STATS, one_off
 from .dynamo_free import no_dynamo_import
 
 
@@ -171,15 +170,12 @@ _FIRST = [True]   # no inference has run in this process yet
 
 def infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> MetaEntry:
     """``_infer``; the process's first one (which loads the lowering table and whatever torch's
-    meta kernels import, sympy: ~0.3 s) counted as a one-off cost (stats.note_startup)."""
+    meta kernels import, sympy: ~0.3 s) counted as a one-off cost (stats.one_off)."""
     if not _FIRST[0]:
         return _infer(op, key, args, kwargs)
     _FIRST[0] = False
-    started = time.perf_counter()
-    try:
+    with one_off():
         return _infer(op, key, args, kwargs)
-    finally:
-        note_startup(time.perf_counter() - started)
 
 
 def _infer(op: torch._ops.OpOverload, key: Any, args: tuple, kwargs: dict) -> MetaEntry:

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import warnings
 from typing import Any
 
 from .. import config
-from ..stats import note_startup
+from ..stats import one_off
 from .._lazy import lazy_import
 
 jax = lazy_import("jax", globals(), "jax")
@@ -66,10 +65,9 @@ def prepare() -> None:
         return
     with _lock:   # (a second thread must not create the client while the first sets it up)
         if not _prepared:
-            started = time.perf_counter()
-            _prepare()
+            with one_off():   # (importing JAX: a one-off cost)
+                _prepare()
             _prepared = True
-            note_startup(time.perf_counter() - started)   # (importing JAX: a one-off cost)
 
 
 def tune_malloc() -> bool:

@@ -96,6 +96,16 @@ STREAK_MAX = 32
 # it tries the deferred way from its first run, its first compile included where that is cheap
 # (a GELU chain: tens of ms), while a model step's compile (seconds) waits for the budget
 BLOCK_CREDIT_S = 1.0
+# ... while its first deferred run shows the rest of the exploration cheap.  Once that run is
+# priced against a run at once, the credit ends (the rest waits for the budget) if it cost more
+# than CHEAP_FIRST_RUNS runs at once over one (many ops over small tensors: each op's first
+# sighting, its metadata inferred, ~0.7 ms an op), or if what exploring on is expected to cost
+# (UNSTEADY_UNTIMED more such runs, and compiling the ops it recorded, a core's share) is over
+# the credit.  Measured before (bench.loops --way step-block, 100 steps): a ResNet step per block
+# spent 0.4 s on its first deferred run, 18 runs at once, then 2 s more on three deferred runs
+# and a compile, 1.83x strict's 2.1 s; a Llama step's first run recorded 1,300 ops, whose
+# compiles took ~2 s of a core.  A GELU chain over 2^21 floats: ~2 runs, 40 ops: it explores.
+CHEAP_FIRST_RUNS = 4.0
 FIRST_TRIAL_S = 0.1     # a first deferred run's cost over at once, before one was timed ...
 JAX_START_S = 0.5       # ... importing JAX and starting its client, where nothing has yet ...
 SYMPY_START_S = 0.2     # ... and the first metadata inference's imports
@@ -148,7 +158,8 @@ class BlockChoice:
     __slots__ = ("place", "phase", "deferred", "at_once", "unsteady", "runs", "recheck",
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
                  "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
-                 "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_loop", "marks")
+                 "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_loop", "marks",
+                 "seeded_runs", "first_ops")
 
     def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0,
                  trial_runs: float = 0.0) -> None:
@@ -158,8 +169,8 @@ class BlockChoice:
         # read_ended, capture/mode.DeferMode.segment), not the block as a whole
         self.holds_loop = False
         # a deferred run's start and the ends of the loop iterations seen in it so far, each as
-        # (clock, startup_seconds): what its loop's iterations cost before the segment tier
-        # took them (loop_seed)
+        # (clock, startup_seconds, ops recorded): what its loop's iterations cost before the
+        # segment tier took them (loop_seed)
         self.marks: list[tuple[float, float]] = []
         # a first deferred run's expected cost over at once, in runs at once, beyond
         # first_trial_estimate() (SEGMENT_TRIAL_RUNS for a default mode's segments)
@@ -169,6 +180,8 @@ class BlockChoice:
         # segment asks for nothing
         self.credit = credit
         self.unpriced: Optional[float] = None   # a deferred run's time, not yet compared
+        self.seeded_runs = (0.0, 1)   # (seconds, runs) of deferred runs before the place was known (seeded)
+        self.first_ops = 0   # the ops the place's first deferred run recorded (while not priced)
         self.startup = startup_seconds()        # the process's one-off costs when a run started
         # the exploration budget: trying the deferred way may cost at most explore_share of
         # the time this place has run (elapsed); spent is what the deferred runs cost over
@@ -238,11 +251,16 @@ class BlockChoice:
         a choice made on eager replays has not shown it yet."""
         self.compiling = executables.compiles_pending()
         self.startup = startup_seconds()
-        self.marks = [] if at_once else [(clock(), self.startup)]
+        self.marks = [] if at_once else [(clock(), self.startup, STATS.ops_recorded)]
         allowance = None
         if not at_once and config.get("explore_share") < 1.0:
             left = config.get("explore_share") * self.elapsed + self.credit - self.spent - (self.trial or 0.0)
             allowance = max(0.0, left) / COMPILE_SHARE
+            if self.credit and self.trial is None:
+                # (a ``with`` place's first deferred run compiles nothing, even the graphs it
+                # meets twice, a model's layers: whether its credit goes on is not known yet,
+                # CHEAP_FIRST_RUNS; a Llama step's first run queued 3 compiles, ~2 s of a core)
+                allowance = 0.0
         executables.allow_compiles(allowance)
 
     def finished(self, seconds: float, steady: bool, at_once: Optional[bool] = None, runs: int = 1) -> None:
@@ -256,6 +274,8 @@ class BlockChoice:
         executables.allow_compiles(None)
         # (a process's one-off costs, paid during this run, are no cost of this place's)
         seconds = max(0.0, seconds - (startup_seconds() - self.startup))
+        if not at_once and self.trial is None and self.marks:
+            self.first_ops = max(0, STATS.ops_recorded - self.marks[0][2])
         if runs > 1:
             self.elapsed += seconds * (runs - 1) / runs
             seconds /= runs
@@ -299,19 +319,21 @@ class BlockChoice:
         """A deferred run of this block reached the end of a loop iteration (an optimizer step's
         end, a read that computed values), its work flushed."""
         if self.marks:
-            self.marks.append((clock(), startup_seconds()))
+            self.marks.append((clock(), startup_seconds(), STATS.ops_recorded))
 
-    def loop_seed(self) -> Optional[tuple[float, float]]:
+    def loop_seed(self) -> Optional[tuple[float, float, int, int]]:
         """What this run of the block cost before its loop's iterations went to the segment tier
-        (Segments' ``seed``): its deferred seconds up to the iteration before the last, and the
-        last iteration's, both without the process's one-off costs; None before an iteration
-        ended."""
+        (Segments' ``seed``): its deferred seconds up to the iteration before the last, the
+        last iteration's, both without the process's one-off costs, the iterations, and the
+        ops an iteration recorded; None before an iteration ended."""
         marks = self.marks
         if len(marks) < 2:
             return None
-        (start, startup0), (before, startup1), (now, startup2) = marks[0], marks[-2], marks[-1]
+        (start, startup0, ops0), (before, startup1, _), (now, startup2, ops) = marks[0], marks[-2], marks[-1]
         last = max(0.0, (now - before) - (startup2 - startup1))
-        return max(0.0, (now - start) - (startup2 - startup0) - last), last
+        runs = len(marks) - 1
+        return (max(0.0, (now - start) - (startup2 - startup0) - last), last, runs,
+                max(0, ops - ops0) // runs)
 
     def settled_runs(self) -> int:
         """How many runs at once may follow the next without being timed one by one (at most
@@ -335,15 +357,17 @@ class BlockChoice:
             return 0
         return max(0, min(STREAK_MAX, int(short / run) - 2))
 
-    def seeded(self, spent: float, last: float) -> None:
-        """Start from deferred runs of this place that ran before it was known (a ``with``
-        block's first loop iterations): ``spent`` seconds of them, and a last one of ``last``
-        seconds, priced against the next run at once; their time counts as exploration, first
-        sightings and compiles included.  (A Llama fine-tune in one block spent 2.2 s on its
+    def seeded(self, spent: float, last: float, runs: int, ops: int) -> None:
+        """Start from ``runs`` deferred runs of this place that ran before it was known (a
+        ``with`` block's first loop iterations): ``spent`` seconds of them, and a last one of
+        ``last`` seconds, priced against the next run at once, ``ops`` recorded by each; their
+        time counts as exploration, first sightings and compiles included.  (A Llama fine-tune in one block spent 2.2 s on its
         first two steps, then 2.4 s more on deferred trials its credit still allowed.)"""
         self.elapsed += spent + last
         self.spent += spent
         self.unpriced = last
+        self.seeded_runs = (spent, max(1, runs))
+        self.first_ops = ops
 
     def _account(self, seconds: float, at_once: bool) -> None:
         """The budget's books after a run: its time, and what a deferred run (with the compiles
@@ -358,16 +382,27 @@ class BlockChoice:
             if len(self.reference) > SAMPLES:
                 del self.reference[0]
             if self.unpriced is not None:   # (a deferred run that had nothing to compare with)
-                self._charge(self.unpriced - seconds)
+                self._charge(self.unpriced - seconds, seconds)
                 self.unpriced = None
         elif self.reference:
-            self._charge(seconds - _median(self.reference))
+            median = _median(self.reference)
+            self._charge(seconds - median, median)
         else:
             self.unpriced = seconds   # (priced at the first run at once: may_try waits for it)
 
-    def _charge(self, excess: float) -> None:
+    def _charge(self, excess: float, run: float) -> None:
+        """A deferred run cost ``excess`` seconds over a run at once of ``run`` seconds."""
         excess = max(0.0, excess)
         self.spent += excess
+        if self.trial is None and self.credit:
+            # the place's first deferred runs, priced: each cost ``first`` over a run at once;
+            # what exploring on would cost: more such runs until one is timed, and compiling
+            # what they record (CHEAP_FIRST_RUNS)
+            before, runs = self.seeded_runs
+            first = (excess + max(0.0, before - (runs - 1) * run)) / runs
+            explore = UNSTEADY_UNTIMED * first + executables.compile_estimate(self.first_ops) * COMPILE_SHARE
+            if first > CHEAP_FIRST_RUNS * run or explore > self.credit:
+                self.credit = 0.0
         self.trial = excess
 
     def _measured(self) -> None:
@@ -465,6 +500,9 @@ class BlockChoice:
             why += f"; {self.unsteady} deferred runs compiled or met new graphs"
         if self.remembered:
             why += ", remembered from an earlier process"
+        if self.phase is Phase.MEASURE_DEFERRED and self.trial is not None and not self.may_try():
+            why += (f"; the next deferred run waits for the exploration budget (explore_share): "
+                    f"the last cost {self.trial * 1e3:.3g} ms over a run at once")
         if self.phase in (Phase.DEFERRED, Phase.AT_ONCE):
             return f"{self.phase.value}: {why}; checked again in {self.recheck - self.runs} runs"
         return f"{self.phase.value}: {why}"
@@ -576,7 +614,7 @@ class Segments:
                  "trial_runs", "seed")
 
     def __init__(self, credit: float = 0.0, trial_runs: float = SEGMENT_TRIAL_RUNS,
-                 seed: Optional[tuple[float, float]] = None) -> None:
+                 seed: Optional[tuple[float, float, int, int]] = None) -> None:
         # what a new place's choice may explore before its time has run (BlockChoice.credit) and
         # what its first deferred run is expected to cost, in its runs at once: a default mode's
         # segments start at once and try the deferred way once the budget affords a first

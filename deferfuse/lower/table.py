@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ..stats import one_off
 from .registry import LOWERINGS, SHAPE_RULES, Lowering, ShapeRule
 
 
@@ -30,6 +31,13 @@ def get_shape_rule(op: torch._ops.OpOverload) -> Optional[ShapeRule]:
 
 @functools.cache
 def _load_families() -> None:
+    # (a process's one-off cost, ~0.14 s: the block tier does not charge it to the place whose
+    # run paid it, stats.one_off)
+    with one_off():
+        _import_families()
+
+
+def _import_families() -> None:
     # Importing a family module registers its rules.  prims goes after pointwise: its twins
     # reuse the aten rules registered by then.
     from . import (attention, creation, fastpath, fft, grouped_mm, histogram, linalg, movement,  # noqa: F401
