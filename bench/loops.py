@@ -41,7 +41,7 @@ CLIENT = ROOT / "corpus" / "train_logging.py"
 # a loop with no optimizer and no read until its end (a sampler's, an ODE integrator's shape):
 # the model "sampler", period 0 only
 SAMPLER = ROOT / "corpus" / "sample_loop.py"
-DEFAULT_STEPS = {"mlp": 400, "llama": 100, "gpt2": 100, "sampler": 500}
+DEFAULT_STEPS = {"mlp": 400, "llama": 100, "gpt2": 100, "sampler": 500, "gelu": 600}
 
 
 def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir: str,

@@ -1,11 +1,12 @@
 """A training loop that logs its loss every N steps, the way most scripts do.
 
-    python corpus/train_logging.py [--model mlp|llama|gpt2|...] [--period N] [--steps S]
+    python corpus/train_logging.py [--model mlp|gelu|llama|gpt2|...] [--period N] [--steps S]
                                    [--size tiny|small|medium] [--lengths L] [--deterministic]
                                    [--report PATH] [--block [loop|step]]
 
 ``--period 0`` reads the loss only at the end.  The model is the 64 -> 256 -> 256 -> 1 MLP
-(LayerNorm, GELU) of issue 40, or a model of the zoo (bench/zoo_models.py) at ``--size``;
+(LayerNorm, GELU) of issue 40, ``gelu`` (a GELU-tanh chain over 2^21 floats: memory-bound,
+where deferring pays on a CPU), or a model of the zoo (bench/zoo_models.py) at ``--size``;
 AdamW.  Plain PyTorch: run it under ``TORCHTPU_MODE=defer python -m deferfuse`` to defer it, or
 with ``--block``, which puts the whole loop in one ``with deferfuse.defer():`` block (the README's
 way in), or ``--block step``, one block per step.
@@ -34,6 +35,19 @@ def rss_mib() -> float:
 def build(name: str, size: str, lengths: int = 0):
     """The model and its loss at each step; ``lengths``: a zoo language model's batches take
     that many token lengths in turn (a text loader without bucketing), not one."""
+    if name == "gelu":
+        # memory-bound: a GELU-tanh chain over 2^21 floats, where deferring pays on a CPU
+        # (one fused pass instead of ~10); a parameter vector, SGD-like through AdamW
+        weight = nn.Parameter(torch.randn(2 ** 21) * 0.1)
+        x = torch.randn(2 ** 21)
+
+        def gelu_loss(step):
+            h = weight * x
+            y = h * 0.5 * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * h ** 3)))
+            return (y - x).square().mean()
+        holder = nn.Module()
+        holder.weight = weight
+        return holder, gelu_loss
     if name == "mlp":
         model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 256),
                               nn.GELU(), nn.Linear(256, 1))
