@@ -46,13 +46,15 @@ def test_loops_times_a_loop_of_changing_lengths_from_its_second_epoch(tmp_path, 
 
 
 @pytest.mark.slow   # (two fresh processes: ~20 s)
-def test_loops_times_a_loop_inside_one_defer_block(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, way", [("mlp", "block"), ("gelu", "step-block")])
+def test_loops_times_a_loop_inside_one_defer_block(tmp_path, monkeypatch, model, way):
+    """The loop in one ``with deferfuse.defer():`` (block), or one around each step (step-block)."""
     from bench import loops
     monkeypatch.setattr(loops, "RESULTS_DIR", tmp_path)
-    assert loops.main(["--models", "mlp", "--periods", "2", "--rounds", "1", "--steps", "mlp=8",
-                       "--way", "block", "--name", "t"]) == 0
+    assert loops.main(["--models", model, "--periods", "2", "--rounds", "1", "--steps", f"{model}=8",
+                       "--way", way, "--name", "t"]) == 0
     (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert row["way"] == "block" and row["same_losses"]
+    assert row["way"] == way and row["same_losses"]
     assert row["defer"]["flushes"]   # (deferfuse ran the loop: its stats were reported)
 
 
