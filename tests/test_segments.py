@@ -335,9 +335,9 @@ def test_asking_for_deterministic_algorithms_ends_a_segment_at_once():
             blocks.forget()
 
 
-def _train(steps: int, clock=None, deferred_s: float = 1.0, at_once_s: float = 1.0, place=None):
+def _train(steps: int, clock=None, deferred_s: float = 1.0, at_once_s: float = 1.0, place=None, ways=None):
     """A training loop reading its loss every step; with ``clock``, each step takes the time the
-    test says for the way it ran."""
+    test says for the way it ran (and ``ways`` gets whether it ran at once)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -347,7 +347,10 @@ def _train(steps: int, clock=None, deferred_s: float = 1.0, at_once_s: float = 1
         loss = (model(x) - y).square().mean()
         loss.backward()
         if clock is not None:
-            clock.now += at_once_s if modes.active_recorder().at_once_segment else deferred_s
+            at_once = modes.active_recorder().at_once_segment
+            clock.now += at_once_s if at_once else deferred_s
+            if ways is not None:
+                ways.append(at_once)
         opt.step()
         opt.zero_grad()
         losses.append(f"{loss:.6f}")
@@ -394,28 +397,12 @@ def test_a_with_block_around_a_loop_shares_its_credit_with_its_steps(clock, defe
     then the steps' choice, with a fresh credit, tried the deferred way for three more (2.4 s
     over strict's 0.3), in a 10 s loop.  Steps whose first deferred runs were cheap (a GELU
     chain over large tensors) still try it at once, and keep it when it is faster."""
-    ways = []
-
-    def train(steps: int):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = torch.randn(16, 6), torch.randn(16, 1)
-        losses = []
-        for _ in range(steps):
-            loss = (model(x) - y).square().mean()
-            loss.backward()
-            at_once = modes.active_recorder().at_once_segment
-            ways.append(at_once)
-            clock.now += at_once_s if at_once else deferred_s
-            opt.step()
-            opt.zero_grad()
-            losses.append(f"{loss:.6f}")
-        return losses
+    ways: list = []
     with config.override(eager_blocks=True, eager_segments=True, always_compile=False, explore_share=0.05):
         with deferfuse.defer():
-            actual = train(30)
-    assert actual == _train(30)[0]
+            actual = _train(30, clock, deferred_s, at_once_s, ways=ways)
+    expected = _train(30)
+    assert actual[0] == expected[0]
     assert ways[:2] == [False, False]   # (the block's own first runs, before it was known to loop)
     if tries:
         assert not all(ways[2:]) and not ways[-1]   # (tried, and chosen: deferred is faster)
