@@ -567,6 +567,29 @@ def test_a_with_places_credit_goes_on_only_where_its_first_run_shows_exploring_c
         assert "waits for the exploration budget" in described
 
 
+def test_a_places_next_trial_expects_to_compile_what_its_first_deferred_run_recorded(monkeypatch):
+    """Found by bench.loops --way step-block: GPT-2's step per block, its credit ended, was
+    tried again at its 55th step, its trial priced at its first deferred run's 0.3 s (which
+    compiled nothing); that run and the compile it started cost ~3 s, 1.2x strict's 100 steps.
+    Until a deferred run has been timed, the next one is expected to compile what the first
+    recorded too (its ops at this process's compile rate, a core's share)."""
+    from deferfuse.exec import executables
+    from deferfuse.stats import STATS
+    monkeypatch.setattr(executables, "compile_estimate", lambda n_nodes: 0.01 * n_nodes)
+    monkeypatch.setattr(blocks, "clock", lambda: 0.0)
+    monkeypatch.setattr(blocks, "startup_seconds", lambda: 0.0)
+    choice = blocks.BlockChoice("here:9", credit=blocks.BLOCK_CREDIT_S)
+    with config.override(explore_share=0.05):
+        choice.starting(False)
+        monkeypatch.setattr(STATS, "ops_recorded", STATS.ops_recorded + 1000)   # (what it recorded)
+        choice.finished(0.2, False)
+        choice.starting(True)
+        choice.finished(0.1, True, at_once=True)
+        assert choice.first_ops == 1000
+        assert choice._trial_cost() == pytest.approx(0.1 + 10.0 * blocks.COMPILE_SHARE)
+        assert choice.credit == 0.0 and choice.runs_at_once
+
+
 def test_one_off_costs_met_inside_one_another_count_once(monkeypatch):
     """A process's one-off costs (JAX's start, the lowering table, the recorder's modules, the
     first metadata inference) are left out of what a place's run cost (stats.one_off); one met
@@ -635,13 +658,35 @@ def test_a_compile_that_does_not_fit_the_budget_is_put_off(tier, monkeypatch):
         for _ in range(80):
             torch.testing.assert_close(_block(x, clock), _strict(x))
     stats = deferfuse.stats()
-    assert stats["compiles"] == 0 and stats["compiles_put_off"] >= 1 and stats["eager_replays"] >= 2
+    # (a with place's first deferred run compiles nothing, and the next one's expected cost
+    # includes compiling what it recorded: with a minute to compile, none is tried)
+    assert stats["compiles"] == 0 and stats["eager_replays"] >= 1
     # an affordable compile goes ahead at the next deferred run
     monkeypatch.setattr(executables, "compile_estimate", lambda n_nodes: 0.0)
     with config.override(explore_share=0.05):
         for _ in range(80):
             _block(x, clock)
     assert deferfuse.stats()["compiles"] == 1
+
+
+def test_a_compile_over_the_allowance_is_put_off_and_the_graph_replays(tier, monkeypatch):
+    """executables.allow_compiles: what a deferred run may spend compiling (the block tier sets
+    it from the budget); a compile estimated over it is put off, and the graph replays eagerly."""
+    from deferfuse.exec import executables
+    x = torch.randn(29, 3)
+    monkeypatch.setattr(executables, "compile_estimate", lambda n_nodes: 60.0)
+    deferfuse.reset_stats()
+    with config.override(eager_blocks=False):
+        for _ in range(3):   # (a graph seen before wants a compile from its second run)
+            executables.allow_compiles(1.0)
+            try:
+                with deferfuse.defer():
+                    y = torch.tanh(x * 0.75 + 0.5) * x
+            finally:
+                executables.allow_compiles(None)
+            torch.testing.assert_close(y, _strict(x))
+    stats = deferfuse.stats()
+    assert stats["compiles"] == 0 and stats["compiles_put_off"] >= 1 and stats["eager_replays"] >= 2
 
 
 def test_a_run_at_once_is_not_timed_while_a_compile_takes_a_core(monkeypatch):

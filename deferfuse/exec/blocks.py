@@ -236,12 +236,18 @@ class BlockChoice:
 
     def _trial_cost(self) -> float:
         """What the next deferred run is expected to cost over a run at once: the last one's
-        cost, or before any, a first trial's estimate and ``trial_runs`` runs at once."""
+        cost, or before any, a first trial's estimate and ``trial_runs`` runs at once; and
+        until a deferred run has been timed, compiling what the first one recorded, a core's
+        share (a ``with`` place's first run compiles nothing: its next one does; GPT-2's step
+        per block, priced at its first run's 0.3 s, tried again at its 55th step, and that run
+        and its compile cost ~3 s)."""
         expected = self.trial
         if expected is None:
             expected = first_trial_estimate()
             if self.trial_runs and self.reference:
                 expected += self.trial_runs * _median(self.reference)
+        if self.first_ops and not self.deferred:
+            expected += executables.compile_estimate(self.first_ops) * COMPILE_SHARE
         return expected
 
     def starting(self, at_once: bool) -> None:
