@@ -171,7 +171,7 @@ class BlockChoice:
         # a deferred run's start and the ends of the loop iterations seen in it so far, each as
         # (clock, startup_seconds, ops recorded): what its loop's iterations cost before the
         # segment tier took them (loop_seed)
-        self.marks: list[tuple[float, float]] = []
+        self.marks: list[tuple[float, float, int]] = []
         # a first deferred run's expected cost over at once, in runs at once, beyond
         # first_trial_estimate() (SEGMENT_TRIAL_RUNS for a default mode's segments)
         self.trial_runs = trial_runs
@@ -246,9 +246,13 @@ class BlockChoice:
             expected = first_trial_estimate()
             if self.trial_runs and self.reference:
                 expected += self.trial_runs * _median(self.reference)
-        if self.first_ops and not self.deferred:
-            expected += executables.compile_estimate(self.first_ops) * COMPILE_SHARE
+        if not self.deferred:
+            expected += self._first_compile()
         return expected
+
+    def _first_compile(self) -> float:
+        """What compiling the ops of the place's first deferred run costs, a core's share."""
+        return executables.compile_estimate(self.first_ops) * COMPILE_SHARE if self.first_ops else 0.0
 
     def starting(self, at_once: bool) -> None:
         """A run starts, ``at_once`` or deferred.  It will be timed at once only if no compile is
@@ -367,8 +371,9 @@ class BlockChoice:
         """Start from ``runs`` deferred runs of this place that ran before it was known (a
         ``with`` block's first loop iterations): ``spent`` seconds of them, and a last one of
         ``last`` seconds, priced against the next run at once, ``ops`` recorded by each; their
-        time counts as exploration, first sightings and compiles included.  (A Llama fine-tune in one block spent 2.2 s on its
-        first two steps, then 2.4 s more on deferred trials its credit still allowed.)"""
+        time counts as exploration, first sightings and compiles included.  (A Llama fine-tune
+        in one block spent 2.2 s on its first two steps, then 2.4 s more on deferred trials its
+        credit still allowed.)"""
         self.elapsed += spent + last
         self.spent += spent
         self.unpriced = last
@@ -406,7 +411,7 @@ class BlockChoice:
             # what they record (CHEAP_FIRST_RUNS)
             before, runs = self.seeded_runs
             first = (excess + max(0.0, before - (runs - 1) * run)) / runs
-            explore = UNSTEADY_UNTIMED * first + executables.compile_estimate(self.first_ops) * COMPILE_SHARE
+            explore = UNSTEADY_UNTIMED * first + self._first_compile()
             if first > CHEAP_FIRST_RUNS * run or explore > self.credit:
                 self.credit = 0.0
         self.trial = excess
