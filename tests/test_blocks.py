@@ -450,6 +450,31 @@ def test_a_process_too_short_to_choose_leaves_its_runs_to_the_next(tmp_path):
     assert all(close for _, _, close in second["plain_equal_close"])
 
 
+def test_a_later_process_starts_a_place_whose_credit_ended_at_once(tier, tmp_path, monkeypatch):
+    """A script run twice on one cache folder: a ``with`` place whose first deferred run ended
+    its credit (a Llama step per block: 0.75 s over strict's) paid that run again in every
+    process, since it had made no choice to keep.  Its priced first run is kept: a later
+    process runs it at once from its first run, waiting for the budget."""
+    clock = tier(0.3, 0.01)
+    monkeypatch.setattr(blocks, "startup_seconds", lambda: 0.0)
+    x = torch.randn(7, 11)
+
+    def run():
+        with deferfuse.defer():
+            clock.spend()
+            return torch.tanh(x * 0.75 + 0.5) * x
+    with config.override(remember_blocks=True, cache_dir=str(tmp_path), explore_share=0.05):
+        first = [type(run()) for _ in range(5)]
+        assert first == [DeferredTensor] + [torch.Tensor] * 4
+        blocks.forget()
+        blocks._LOOKED_UP.clear()   # (a later process)
+        again = [run() for _ in range(5)]
+        assert [type(y) for y in again] == [torch.Tensor] * 5
+        assert _only_place().credit == 0.0 and _only_place().trial == pytest.approx(0.29)
+    for y in again:
+        torch.testing.assert_close(y, _strict(x))
+
+
 def test_a_damaged_remembered_choice_is_ignored(tmp_path):
     _remembering(tmp_path, 16)
     [record] = (tmp_path / "cache" / "blocks").iterdir()

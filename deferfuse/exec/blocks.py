@@ -414,6 +414,11 @@ class BlockChoice:
             explore = UNSTEADY_UNTIMED * first + self._first_compile()
             if first > CHEAP_FIRST_RUNS * run or explore > self.credit:
                 self.credit = 0.0
+                self.trial = excess
+                if self.last is None:
+                    # (kept, so that a later process starts the place at once, waiting for
+                    # the budget, instead of paying its first deferred run again)
+                    self._save(MEASURING)
         self.trial = excess
 
     def _measured(self) -> None:
@@ -458,7 +463,8 @@ class BlockChoice:
         if self.disk_place is not None and config.get("remember_blocks"):
             diskcache.save_choice(self.disk_place, {
                 "phase": phase, "deferred": self.deferred, "at_once": self.at_once,
-                "unsteady": self.unsteady, "recheck": self.recheck})
+                "unsteady": self.unsteady, "recheck": self.recheck, "trial": self.trial,
+                "credit": self.credit, "first_ops": self.first_ops})
 
     def remember(self, record: dict) -> bool:
         """Start from ``record``, a choice an earlier process saved for this place, or the runs
@@ -480,6 +486,12 @@ class BlockChoice:
                 return False
             self.deferred, self.at_once = list(deferred), list(at_once)
             self.phase = Phase.MEASURE_AT_ONCE if len(at_once) < len(deferred) else Phase.MEASURE_DEFERRED
+            trial, credit, ops = record.get("trial"), record.get("credit"), record.get("first_ops")
+            if isinstance(trial, float) and isinstance(credit, float) and isinstance(ops, int) \
+                    and trial >= 0 and 0 <= credit <= self.credit and ops >= 0:
+                # (its first deferred run, priced: what the next is expected to cost, and whether
+                # the credit went on; a place whose credit ended runs at once from its first run)
+                self.trial, self.credit, self.first_ops = trial, credit, ops
             return True
         self.deferred, self.at_once, self.unsteady = list(deferred), list(at_once), unsteady
         self._choose(phase, save=False)
