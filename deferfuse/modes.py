@@ -150,12 +150,12 @@ class _GcFreeze:
 _GC_FREEZE = _GcFreeze()
 
 
-def _start_defer(segmented: bool = False):
+def _start_defer(segments: Optional[blocks.Segments] = None):
     if "deferfuse.capture.mode" not in sys.modules:
         with one_off():   # (the recorder's modules, loaded by a process's first defer mode)
             from .capture import mode  # noqa: F401
     from .capture.mode import DeferMode, SegmentedDeferMode
-    handle = SegmentedDeferMode(blocks.Segments()) if segmented else DeferMode()
+    handle = SegmentedDeferMode(segments) if segments is not None else DeferMode()
     handle.__enter__()
     _GC_FREEZE.enter()
     return handle
@@ -187,9 +187,10 @@ def _discard_defer(handle) -> None:
             "flushing at the end of a defer block that raised also failed", exc_info=True)
 
 
-def _push(kind: EagerMode, segmented: bool = False) -> object:
-    """Put a new DeferMode or DebugMode on top of torch's dispatch stack (``segmented``: a
-    default defer mode's, whose work the segment tier times)."""
+def _push(kind: EagerMode, segments: Optional[blocks.Segments] = None) -> object:
+    """Put a new DeferMode or DebugMode on top of torch's dispatch stack (``segments``: the
+    segment tier's state, for a mode whose work it times: a default defer mode's, a block's
+    around a loop, a block's first run)."""
     processes.install(active_recorder, reset_after_fork)
     modules.install(active_recorder)
     steps.install(active_recorder)   # (after modules': see capture/steps.py)
@@ -197,7 +198,7 @@ def _push(kind: EagerMode, segmented: bool = False) -> object:
         if any(k is EagerMode.DEBUG for k, _ in _stack.live):
             from .debugging import uninit
             uninit.pause()   # (its flushes write memory the debug mode below does not see)
-        handle = _start_defer(segmented)
+        handle = _start_defer(segments)
     else:
         from .debugging import DebugMode
         handle = DebugMode()
@@ -284,6 +285,7 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
     pushed = None
     suspended: list[tuple[EagerMode, object]] = []
     block = None
+    probing = False
     if target is EagerMode.DEFER:
         if processes.forked_after_xla():
             processes.note_defer_at_once()
@@ -292,14 +294,19 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
             if block.holds_loop and config.shortcuts().segments_timed:
                 # (a block around a loop: the segment tier chooses per iteration)
                 block = None
-                pushed = _push(EagerMode.DEFER, segmented=True)
+                pushed = _push(EagerMode.DEFER, blocks.Segments())
             else:
-                at_once = block.runs_at_once
+                probing = block.probes()
+                at_once = probing or block.runs_at_once
                 block.starting(at_once)
                 started = blocks.clock()
                 if at_once:
                     STATS.blocks_run_at_once += 1
-                else:
+                if probing:
+                    # (a new place's first run: at once, its ops counted, a loop in it found;
+                    # exec/blocks.BlockChoice.probes)
+                    pushed = _push(EagerMode.DEFER, blocks.Segments.probing(block))
+                elif not at_once:
                     unsteady = blocks.unsteady_count()
                     pushed = _push(EagerMode.DEFER)
                     pushed.recorder.block = block
@@ -337,9 +344,12 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
             _resume(suspended)
     if block is not None and block.holds_loop:
         blocks.executables.allow_compiles(None)   # (its iterations were timed, not the block)
+    elif probing:
+        if pushed.recorder.segments.probe is block:   # (else the tiers went off in it: untimed)
+            block.finished(blocks.clock() - started, True, True)
+            block.probed(pushed.recorder.ops_at_once)
     elif block is not None:   # (the block and its flush ended without an exception)
-        block.finished(blocks.clock() - started,
-                       pushed is None or blocks.unsteady_count() == unsteady, pushed is None)
+        block.finished(blocks.clock() - started, at_once or blocks.unsteady_count() == unsteady, at_once)
 
 
 _CONTEXTLIB = contextlib.__file__
@@ -384,7 +394,7 @@ def set_mode(m: ModeLike) -> None:
     if target is EagerMode.DEFER and processes.forked_after_xla():
         processes.note_defer_at_once()
     elif target is not EagerMode.STRICT:
-        _stack.default_handle = _push(target, segmented=config.shortcuts().segments_timed)
+        _stack.default_handle = _push(target, blocks.Segments() if config.shortcuts().segments_timed else None)
         if target is EagerMode.DEFER:
             # (handlers around the call that set the mode enclose the program it defers)
             _stack.default_handle.recorder.scope = handlers.scope_of(sys._getframe(1))

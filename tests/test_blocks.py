@@ -20,7 +20,8 @@ from deferfuse.modes import active_recorder
 
 class FakeClock:
     """blocks.clock, moved on by the blocks themselves: ``spend()`` adds ``deferred`` seconds when
-    called inside a recording defer block and ``at_once`` seconds otherwise."""
+    called inside a recording defer block and ``at_once`` seconds otherwise (a block's first
+    run, which runs at once under a mode counting its ops, included)."""
 
     def __init__(self, deferred: float, at_once: float) -> None:
         self.now = 0.0
@@ -31,7 +32,9 @@ class FakeClock:
         return self.now
 
     def spend(self) -> None:
-        self.now += self.deferred if active_recorder() is not None else self.at_once
+        recorder = active_recorder()
+        deferred = recorder is not None and not recorder.at_once_segment
+        self.now += self.deferred if deferred else self.at_once
 
 
 @pytest.fixture
@@ -747,3 +750,96 @@ def test_discovering_a_programs_boundaries_is_priced_from_its_steps(monkeypatch)
         assert not segments.may_discover()                 # 0.35 s of budget, ~4.4 s expected
         now[0] = (0.3 + blocks.SEGMENT_TRIAL_RUNS * 0.135) / 0.05
         assert segments.may_discover()
+
+
+# -- a new place's first run: at once, its ops counted (BlockChoice.probes) -------------------
+def _chain(x: torch.Tensor, clock: FakeClock, links: int) -> torch.Tensor:
+    with deferfuse.defer():
+        clock.spend()
+        y = x
+        for _ in range(links):
+            y = torch.tanh(y * 0.75 + 0.5)
+    return y
+
+
+def _strict_chain(x: torch.Tensor, links: int) -> torch.Tensor:
+    y = x
+    for _ in range(links):
+        y = torch.tanh(y * 0.75 + 0.5)
+    return y
+
+
+@pytest.fixture
+def probing(tier, monkeypatch):
+    """The block tier as users run it: the segment tier on (a first run probes), the budget at
+    its default; no one-off costs of this process's, no compile cost."""
+    from deferfuse.exec import executables
+    monkeypatch.setattr(blocks, "startup_seconds", lambda: 0.0)
+    monkeypatch.setattr(executables, "compile_estimate", lambda n_nodes: 0.0)
+    with config.override(eager_segments=True, explore_share=config.settings()["explore_share"].default):
+        yield tier
+
+
+@pytest.mark.parametrize("links, explores", [(100, False), (2, True)], ids=["many-ops", "few-ops"])
+def test_a_new_places_first_run_runs_at_once_and_prices_its_first_deferred_run(probing, links, explores):
+    """A new ``with`` place's first deferred run was its first run, priced after it ran: a
+    ResNet step per block paid 0.5 s for it (20 of its runs at once, JAX's start included) to
+    learn that exploring there was costly, a 400-step MLP loop 0.3 s of its 1.3.  Its first run
+    now runs at once, its ops counted, and the next, warm, prices a first deferred run at
+    FIRST_RUN_OP_S an op: many ops over small tensors wait for the budget and never pay it."""
+    clock = probing(deferred=0.02, at_once=0.01)
+    x = torch.randn(11, 9)
+    types = []
+    for _ in range(30):
+        y = _chain(x, clock, links)
+        types.append(type(y))
+        torch.testing.assert_close(y, _strict_chain(x, links))
+    place = _only_place()
+    assert types[:2] == [torch.Tensor, torch.Tensor]   # (the first run counts; the next prices)
+    assert place.probed_ops >= 3 * links
+    if explores:
+        assert types[2] is DeferredTensor
+    else:
+        assert DeferredTensor not in types, types
+        assert place.trial == pytest.approx(place.probed_ops * blocks.FIRST_RUN_OP_S)
+        assert "expected to cost" in place.describe()
+
+
+def test_a_remembered_price_holds_where_the_first_run_runs_as_many_ops(probing, tmp_path):
+    """A price an earlier process measured (its first deferred run ended the credit) is kept
+    for the place (``with`` line and bytecode), so a later process does not pay that run again.
+    The same line may run other work in another process (one script trains a ResNet, then a
+    GELU chain, by its arguments): the price holds only where the first run, at once, runs as
+    many ops; else the place is priced afresh."""
+    clock = probing(deferred=0.3, at_once=0.01)
+    x = torch.randn(7, 5)
+    with config.override(remember_blocks=True, cache_dir=str(tmp_path)):
+        first = [type(_chain(x, clock, 2)) for _ in range(6)]
+        # (the probe, the warm run pricing it cheap, the first deferred run: 29 runs over one)
+        assert first == [torch.Tensor, torch.Tensor, DeferredTensor] + [torch.Tensor] * 3
+        blocks.forget()
+        blocks._LOOKED_UP.clear()   # (a later process)
+        assert {type(_chain(x, clock, 2)) for _ in range(6)} == {torch.Tensor}
+        blocks.forget()
+        blocks._LOOKED_UP.clear()   # (a later process, other work at the same line)
+        other = [type(_chain(x, clock, 3)) for _ in range(4)]
+        assert other[:3] == [torch.Tensor, torch.Tensor, DeferredTensor]
+
+
+def test_a_first_run_that_raises_is_not_timed_and_the_next_counts_again(probing):
+    clock = probing(deferred=0.02, at_once=0.01)
+    x = torch.randn(5, 4)
+
+    def block(fail: bool):
+        with deferfuse.defer():
+            clock.spend()
+            y = torch.tanh(x * 0.75 + 0.5)
+            if fail:
+                raise KeyError("the user's")
+        return y
+    with pytest.raises(KeyError, match="the user's"):
+        block(True)
+    place = _only_place()
+    assert not place.reference and place.probes()
+    torch.testing.assert_close(block(False), torch.tanh(x * 0.75 + 0.5))
+    assert place.probed_ops > 0 and place.reference

@@ -120,13 +120,16 @@ def _segment_dispatch(self, func, types, args=(), kwargs=None):
     recorder = self.recorder
     if func is not LOCAL_SCALAR_DENSE:
         if recorder.at_once_segment:
+            recorder.ops_at_once += 1
             return recorder.run_at_once(func, args, kwargs or {})
         return _defer_dispatch(self, func, types, args, kwargs)
     segments = recorder.segments
     place = user_line_from(sys._getframe(1))
     if recorder.at_once_segment:
+        recorder.ops_at_once += 1
         result = recorder.run_at_once(func, args, kwargs or {})
-        if segments.starts_segments(place):
+        if segments.probe is None and segments.starts_segments(place):
+            # (a block's first run finds its loop from Python-level reads: after_read)
             segments.observed(recorder, place)
         return result
     flushed = STATS.flushes["item"]
@@ -161,8 +164,8 @@ class SegmentedDeferMode(DeferMode):
     def _start_segments(self, segments) -> None:
         self.recorder.segments = segments
         # a program starts at once, as strict, until its first boundary, or until it may run
-        # deferred to find one (Segments.may_discover)
-        self.recorder.at_once_segment = not segments.may_discover()
+        # deferred to find one (Segments.may_discover); a block's first run runs at once
+        self.recorder.at_once_segment = segments.probe is not None or not segments.may_discover()
         self.suspended = False
         self._left: tuple = (0, None)   # the dispatch stack when suspended: (depth, top)
 
@@ -198,6 +201,12 @@ class SegmentedDeferMode(DeferMode):
             self.settle()
             return
         segments = recorder.segments
+        if segments.probe is not None:
+            # (a block's first run, at once: a read that comes round is a loop's; Segments.observed)
+            if not recorder.whole_blocks:
+                segments.observed(recorder, user_line_from(frame))
+            self.settle()
+            return
         if not self.suspended:
             # (a read that flushed ended its segment in _segment_dispatch; one of memory already
             # computed is no boundary)
@@ -236,7 +245,8 @@ class SegmentedDeferMode(DeferMode):
         """Off torch's dispatch stack while the segment runs at once, on it while deferred."""
         recorder = self.recorder
         if recorder.at_once_segment:
-            if not self.suspended and _current_mode() is self and recorder.active:
+            if not self.suspended and _current_mode() is self and recorder.active \
+                    and recorder.segments.probe is None:   # (a block's first run counts its ops)
                 TorchDispatchMode.__exit__(self, None, None, None)
                 self.suspended = True
                 self._left = (torch._C._len_torch_dispatch_stack(), _current_mode())

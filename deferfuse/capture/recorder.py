@@ -106,6 +106,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         # while at_once_segment, every op runs at once (run_at_once)
         self.segments: Any = None
         self.at_once_segment = False
+        self.ops_at_once = 0   # ops run at once while the mode was on the stack (a block's first run)
         # the block tier's choice (exec/blocks.BlockChoice) of the outermost ``with`` block this
         # recorder records, and the steps that ended in this run of it: a second one means the
         # block holds a loop of steps, which the segment tier then chooses for (step_ended)

@@ -106,6 +106,13 @@ BLOCK_CREDIT_S = 1.0
 # and a compile, 1.83x strict's 2.1 s; a Llama step's first run recorded 1,300 ops, whose
 # compiles took ~2 s of a core.  A GELU chain over 2^21 floats: ~2 runs, 40 ops: it explores.
 CHEAP_FIRST_RUNS = 4.0
+# A new ``with`` place's first run runs at once with its ops counted (BlockChoice.probes): a
+# first deferred run is expected to cost this much over at once for each op it runs (each op's
+# first sighting, its metadata inferred, and the eager replay; measured over the first deferred
+# run of a step per block, bench.loops: 0.14-0.34 ms an op on the zoo's steps and an MLP's, 1.9
+# on a GELU chain over 2^21 floats), so that a place whose exploring would be costly never pays
+# a first deferred run out of its credit: a ResNet step per block paid 0.5 s, 20 of its runs
+FIRST_RUN_OP_S = 3e-4
 FIRST_TRIAL_S = 0.1     # a first deferred run's cost over at once, before one was timed ...
 JAX_START_S = 0.5       # ... importing JAX and starting its client, where nothing has yet ...
 SYMPY_START_S = 0.2     # ... and the first metadata inference's imports
@@ -159,7 +166,7 @@ class BlockChoice:
                  "outliers", "choices", "last", "median", "unsettled", "held", "disk_place",
                  "remembered", "own", "elapsed", "spent", "trial", "reference", "compiled_seen",
                  "compiling", "credit", "unpriced", "startup", "trial_runs", "holds_loop", "marks",
-                 "seeded_runs", "first_ops")
+                 "seeded_runs", "first_ops", "probed_ops", "recalled", "pricing")
 
     def __init__(self, place: str, disk_place: Optional[str] = None, credit: float = 0.0,
                  trial_runs: float = 0.0) -> None:
@@ -182,6 +189,12 @@ class BlockChoice:
         self.unpriced: Optional[float] = None   # a deferred run's time, not yet compared
         self.seeded_runs = (0.0, 1)   # (seconds, runs) of deferred runs before the place was known (seeded)
         self.first_ops = 0   # the ops the place's first deferred run recorded (while not priced)
+        self.probed_ops = 0  # the ops its first run ran at once (probes), 0 before it
+        self.pricing = False  # whether its first deferred run waits to be priced on a warm run at once
+        # where an earlier process's price of the place's first deferred run was taken
+        # (remember): the ops its first run ran, and the credit before; the price holds if this
+        # process's first run runs as many (probed)
+        self.recalled: Optional[tuple[int, float]] = None
         self.startup = startup_seconds()        # the process's one-off costs when a run started
         # the exploration budget: trying the deferred way may cost at most explore_share of
         # the time this place has run (elapsed); spent is what the deferred runs cost over
@@ -220,8 +233,60 @@ class BlockChoice:
         once run's turn or the deferred one's is not affordable yet (``may_try``)."""
         phase = self.phase
         if phase is Phase.MEASURE_DEFERRED:
-            return not self.may_try()
+            return self.pricing or not self.may_try()
         return phase is Phase.AT_ONCE or phase is Phase.MEASURE_AT_ONCE
+
+    def probes(self) -> bool:
+        """Whether the next run is a new ``with`` place's first, run at once under a mode that
+        counts its ops and finds a loop in it (Segments.probing): the first deferred run is
+        then priced before it runs (``probed``), from its ops, where before it ran first and
+        was priced after (0.5 s of a ResNet step per block, 20 of its runs at once; 0.3 s of
+        the 1.3 s of a 400-step MLP loop); and a loop in the block goes to the segment tier
+        with its iterations' cost known, where before its first two ran deferred (a Llama
+        fine-tune in one block, 2.2 s).  Only where the deferred way is explored on a budget
+        (explore_share below 1) and the segment tier is on, which the probe needs."""
+        new = self.recalled is not None or (self.credit > 0.0 and self.trial is None
+                                            and self.unpriced is None)
+        return (new and not self.reference and self.last is None
+                and config.get("explore_share") < 1.0 and config.shortcuts().segments_timed)
+
+    def probed(self, ops: int, seconds: Optional[float] = None) -> None:
+        """The place's first run ran at once, ``ops`` ops (and took ``seconds``, where finished()
+        did not time it: a loop's iteration, Segments.observed): its first deferred run is
+        priced, as an earlier process measured it where that process's first run ran as many
+        ops (``recalled``: the same script with another model must not start from this one's
+        price), else on the next run, at once too (``_price``): a first run is cold (an MLP
+        step's took 16 ms, its next ones 1.5)."""
+        if seconds is not None:
+            self._account(seconds, True)
+        self.probed_ops = ops
+        recalled, self.recalled = self.recalled, None
+        if recalled is not None:
+            if recalled[0] == ops:
+                return
+            self.trial, self.credit, self.first_ops = None, recalled[1], 0   # (other work)
+        self.pricing = True
+
+    def _price(self, run: float) -> None:
+        """After a probe, a warm run at once of ``run`` seconds: the first deferred run is
+        expected to cost FIRST_RUN_OP_S an op its probe ran over it; where exploring on would
+        not be cheap (CHEAP_FIRST_RUNS), the credit ends and the deferred way waits for the
+        budget."""
+        self.pricing = False
+        first = self.probed_ops * FIRST_RUN_OP_S
+        self.first_ops = self.probed_ops   # (the compile it would start: _explores_cheap)
+        if self._explores_cheap(first, run):
+            self.first_ops = 0   # (its first deferred run compiles nothing: _trial_cost)
+        else:
+            self.credit = 0.0
+            self.trial = first
+
+    def _explores_cheap(self, first: float, run: float) -> bool:
+        """Whether exploring on, after a first deferred run that cost ``first`` over a run at
+        once of ``run`` seconds, is cheap enough for the credit (CHEAP_FIRST_RUNS): more such
+        runs until one is timed, and compiling what they record, within it."""
+        return first <= CHEAP_FIRST_RUNS * run \
+            and UNSTEADY_UNTIMED * first + self._first_compile() <= self.credit
 
     def may_try(self) -> bool:
         """Whether a deferred run fits the exploration budget: what trying the deferred way has
@@ -355,7 +420,8 @@ class BlockChoice:
             if self.remembered and self.median is None:
                 return 0
             return max(0, min(STREAK_MAX, self.recheck - self.runs - 2))
-        if phase is not Phase.MEASURE_DEFERRED or self.unpriced is not None or not self.reference:
+        if phase is not Phase.MEASURE_DEFERRED or self.unpriced is not None or self.pricing \
+                or not self.reference:
             return 0
         share = config.get("explore_share")
         if share >= 1.0 or share <= 0.0:
@@ -389,6 +455,9 @@ class BlockChoice:
         self.spent += (compiled - self.compiled_seen) * COMPILE_SHARE
         self.compiled_seen = compiled
         if at_once:
+            if self.pricing and self.reference:
+                self._price(seconds)
+                self.reference.clear()   # (the probe's run was cold: no reference)
             self.reference.append(seconds)
             if len(self.reference) > SAMPLES:
                 del self.reference[0]
@@ -411,8 +480,7 @@ class BlockChoice:
             # what they record (CHEAP_FIRST_RUNS)
             before, runs = self.seeded_runs
             first = (excess + max(0.0, before - (runs - 1) * run)) / runs
-            explore = UNSTEADY_UNTIMED * first + self._first_compile()
-            if first > CHEAP_FIRST_RUNS * run or explore > self.credit:
+            if not self._explores_cheap(first, run):
                 self.credit = 0.0
                 self.trial = excess
                 if self.last is None:
@@ -464,7 +532,7 @@ class BlockChoice:
             diskcache.save_choice(self.disk_place, {
                 "phase": phase, "deferred": self.deferred, "at_once": self.at_once,
                 "unsteady": self.unsteady, "recheck": self.recheck, "trial": self.trial,
-                "credit": self.credit, "first_ops": self.first_ops})
+                "credit": self.credit, "first_ops": self.first_ops, "probed_ops": self.probed_ops})
 
     def remember(self, record: dict) -> bool:
         """Start from ``record``, a choice an earlier process saved for this place, or the runs
@@ -486,11 +554,15 @@ class BlockChoice:
                 return False
             self.deferred, self.at_once = list(deferred), list(at_once)
             self.phase = Phase.MEASURE_AT_ONCE if len(at_once) < len(deferred) else Phase.MEASURE_DEFERRED
-            trial, credit, ops = record.get("trial"), record.get("credit"), record.get("first_ops")
+            trial, credit = record.get("trial"), record.get("credit")
+            ops, probed = record.get("first_ops"), record.get("probed_ops")
             if isinstance(trial, float) and isinstance(credit, float) and isinstance(ops, int) \
-                    and trial >= 0 and 0 <= credit <= self.credit and ops >= 0:
+                    and isinstance(probed, int) and trial >= 0 and 0 <= credit <= self.credit \
+                    and ops >= 0 and probed >= 0:
                 # (its first deferred run, priced: what the next is expected to cost, and whether
-                # the credit went on; a place whose credit ended runs at once from its first run)
+                # the credit went on; a place whose credit ended runs at once from its first
+                # run, which checks that it runs as many ops: probed)
+                self.recalled = (probed, self.credit)
                 self.trial, self.credit, self.first_ops = trial, credit, ops
             return True
         self.deferred, self.at_once, self.unsteady = list(deferred), list(at_once), unsteady
@@ -524,8 +596,12 @@ class BlockChoice:
         if self.remembered:
             why += ", remembered from an earlier process"
         if self.phase is Phase.MEASURE_DEFERRED and self.trial is not None and not self.may_try():
-            why += (f"; the next deferred run waits for the exploration budget (explore_share): "
-                    f"the last cost {self.trial * 1e3:.3g} ms over a run at once")
+            if self.unsteady or self.deferred or not self.probed_ops:
+                last = f"the last cost {self.trial * 1e3:.3g} ms over a run at once"
+            else:   # (priced, never run: _price)
+                last = (f"the first is expected to cost {self.trial * 1e3:.3g} ms over a run at "
+                        f"once (its first run, at once, ran {self.probed_ops} ops)")
+            why += f"; the next deferred run waits for the exploration budget (explore_share): {last}"
         if self.phase in (Phase.DEFERRED, Phase.AT_ONCE):
             return f"{self.phase.value}: {why}; checked again in {self.recheck - self.runs} runs"
         return f"{self.phase.value}: {why}"
@@ -634,7 +710,7 @@ class Segments:
     the next one's way is chosen."""
 
     __slots__ = ("choice", "started", "unsteady", "way", "created", "streak", "runs", "streak_at", "credit",
-                 "trial_runs", "seed")
+                 "trial_runs", "seed", "probe", "probe_marks", "probe_iteration")
 
     def __init__(self, credit: float = 0.0, trial_runs: float = SEGMENT_TRIAL_RUNS,
                  seed: Optional[tuple[float, float, int, int]] = None) -> None:
@@ -649,6 +725,12 @@ class Segments:
         self.trial_runs = trial_runs
         self.seed = seed
         self.choice: Optional[BlockChoice] = None
+        # a ``with`` place's first run (probing), at once: its BlockChoice; the clock and the
+        # ops run at each boundary met so far, by segment key; and once a boundary came round
+        # (the block holds a loop), the iteration's seconds and ops, for its place's choice
+        self.probe: Optional[BlockChoice] = None
+        self.probe_marks: dict = {}
+        self.probe_iteration: Optional[tuple[float, int]] = None
         self.started = 0.0
         self.unsteady = 0
         self.way = False   # whether the segment running now was started at once
@@ -659,6 +741,32 @@ class Segments:
         self.streak = 0
         self.runs = 1
         self.streak_at: tuple = (None, -1, False)
+
+    @classmethod
+    def probing(cls, block: BlockChoice) -> "Segments":
+        """The segment tier's state for the first run of the ``with`` place ``block``
+        (BlockChoice.probes): it runs at once, its ops counted, until a boundary (an optimizer
+        step's end, a read by the user's code) comes round at the same place: the block holds
+        a loop, and its iterations are chosen for from there (``observed``), as a block's are,
+        with a block's credit."""
+        segments = cls(credit=BLOCK_CREDIT_S, trial_runs=0.0)
+        segments.probe = block
+        return segments
+
+    def _loop_found(self, recorder: Any, place: Any, reason: FlushReason) -> bool:
+        """In a block's first run (``probe``): whether the boundary at ``place`` came round,
+        its iteration's time and ops then kept (probe_iteration) and the probe over."""
+        key = _segment_key(place, "step" if reason is FlushReason.STEP else "segment")
+        now, ops = clock(), recorder.ops_at_once
+        seen = self.probe_marks.get(key)
+        if seen is None:
+            self.probe_marks[key] = (now, ops)
+            return False
+        self.probe.holds_loop = True
+        self.probe = None
+        self.probe_marks = {}
+        self.probe_iteration = (now - seen[0], ops - seen[1])
+        return True
 
     def note_read(self, place: Any) -> None:
         """A read at ``place`` ran deferred and did not flush: no boundary."""
@@ -696,6 +804,7 @@ class Segments:
         if self.choice is not None and self.way:
             STATS.blocks_run_at_once += 1
         self.choice = None
+        self.probe = None   # (a block's first run, now deferred: untimed)
         self.streak = 0
         self.way = recorder.at_once_segment = False
         executables.allow_compiles(None)
@@ -724,6 +833,8 @@ class Segments:
     def observed(self, recorder: Any, place: Any, reason: FlushReason = FlushReason.SYNC) -> None:
         """A value was read at ``place`` (a SourceLine), or a step ended there (``reason``
         STEP: capture/steps.py); ``recorder``: the default mode's."""
+        if self.probe is not None and not self._loop_found(recorder, place, reason):
+            return   # (a block's first run, at once, counting: no loop found yet)
         if self.streak and recorder.at_once_segment and place is not None \
                 and self.streak_at == (place.code, place.lasti, reason is FlushReason.STEP) \
                 and config.shortcuts().segments_timed:
@@ -762,7 +873,11 @@ class Segments:
             _QUIET.clear()
             if self.seed is not None:
                 choice.seeded(*self.seed)
+            elif self.probe_iteration is not None:
+                seconds, ops = self.probe_iteration
+                choice.probed(ops, seconds)
         self.seed = None
+        self.probe_iteration = None
         self.choice = choice
         self.way = recorder.at_once_segment = choice.runs_at_once   # (nothing pending: flushed above)
         choice.starting(self.way)
