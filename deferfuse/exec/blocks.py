@@ -106,12 +106,9 @@ BLOCK_CREDIT_S = 1.0
 # and a compile, 1.83x strict's 2.1 s; a Llama step's first run recorded 1,300 ops, whose
 # compiles took ~2 s of a core.  A GELU chain over 2^21 floats: ~2 runs, 40 ops: it explores.
 CHEAP_FIRST_RUNS = 4.0
-# A new ``with`` place's first run runs at once with its ops counted (BlockChoice.probes): a
-# first deferred run is expected to cost this much over at once for each op it runs (each op's
-# first sighting, its metadata inferred, and the eager replay; measured over the first deferred
-# run of a step per block, bench.loops: 0.14-0.34 ms an op on the zoo's steps and an MLP's, 1.9
-# on a GELU chain over 2^21 floats), so that a place whose exploring would be costly never pays
-# a first deferred run out of its credit: a ResNet step per block paid 0.5 s, 20 of its runs
+# A first deferred run's cost over at once, per op a new ``with`` place's first run ran at once
+# (BlockChoice.probes): each op's first sighting and the eager replay (bench.loops, a step per
+# block: 0.14-0.34 ms an op on the zoo's steps and an MLP's, 1.9 on a GELU chain over 2^21 floats)
 FIRST_RUN_OP_S = 3e-4
 FIRST_TRIAL_S = 0.1     # a first deferred run's cost over at once, before one was timed ...
 JAX_START_S = 0.5       # ... importing JAX and starting its client, where nothing has yet ...
@@ -238,13 +235,11 @@ class BlockChoice:
 
     def probes(self) -> bool:
         """Whether the next run is a new ``with`` place's first, run at once under a mode that
-        counts its ops and finds a loop in it (Segments.probing): the first deferred run is
-        then priced before it runs (``probed``), from its ops, where before it ran first and
-        was priced after (0.5 s of a ResNet step per block, 20 of its runs at once; 0.3 s of
-        the 1.3 s of a 400-step MLP loop); and a loop in the block goes to the segment tier
-        with its iterations' cost known, where before its first two ran deferred (a Llama
-        fine-tune in one block, 2.2 s).  Only where the deferred way is explored on a budget
-        (explore_share below 1) and the segment tier is on, which the probe needs."""
+        counts its ops and finds a loop in it (Segments.probing), so that its first deferred
+        run is priced before it runs (``probed``; run first, a ResNet step per block's cost 0.5
+        s, 20 runs at once), and a loop in it is found at once (a Llama fine-tune in one block
+        ran its first two steps deferred, 2.2 s).  Only with a budget (explore_share below 1)
+        and the segment tier on, which the probe needs."""
         new = self.recalled is not None or (self.credit > 0.0 and self.trial is None
                                             and self.unpriced is None)
         return (new and not self.reference and self.last is None
