@@ -26,6 +26,7 @@ from . import config, processes
 from .capture import handlers, modules, steps
 from .errors import FlushReason, ModeError
 from .exec import blocks
+from .exec.segments import Segments
 from .stats import STATS, one_off
 
 
@@ -150,7 +151,7 @@ class _GcFreeze:
 _GC_FREEZE = _GcFreeze()
 
 
-def _start_defer(segments: Optional[blocks.Segments] = None):
+def _start_defer(segments: Optional[Segments] = None):
     if "deferfuse.capture.mode" not in sys.modules:
         with one_off():   # (the recorder's modules, loaded by a process's first defer mode)
             from .capture import mode  # noqa: F401
@@ -187,7 +188,7 @@ def _discard_defer(handle) -> None:
             "flushing at the end of a defer block that raised also failed", exc_info=True)
 
 
-def _push(kind: EagerMode, segments: Optional[blocks.Segments] = None) -> object:
+def _push(kind: EagerMode, segments: Optional[Segments] = None) -> object:
     """Put a new DeferMode or DebugMode on top of torch's dispatch stack (``segments``: the
     segment tier's state, for a mode whose work it times: a default defer mode's, a block's
     around a loop, a block's first run)."""
@@ -294,7 +295,7 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
             if block.holds_loop and config.shortcuts().segments_timed:
                 # (a block around a loop: the segment tier chooses per iteration)
                 block = None
-                pushed = _push(EagerMode.DEFER, blocks.Segments())
+                pushed = _push(EagerMode.DEFER, Segments())
             else:
                 probing = block.probes()
                 at_once = probing or block.runs_at_once
@@ -305,7 +306,7 @@ def mode(m: ModeLike, *, span: str = "step") -> Iterator[EagerMode]:
                 if probing:
                     # (a new place's first run: at once, its ops counted, a loop in it found;
                     # exec/blocks.BlockChoice.probes)
-                    pushed = _push(EagerMode.DEFER, blocks.Segments.probing(block))
+                    pushed = _push(EagerMode.DEFER, Segments.probing(block))
                 elif not at_once:
                     unsteady = blocks.unsteady_count()
                     pushed = _push(EagerMode.DEFER)
@@ -394,7 +395,7 @@ def set_mode(m: ModeLike) -> None:
     if target is EagerMode.DEFER and processes.forked_after_xla():
         processes.note_defer_at_once()
     elif target is not EagerMode.STRICT:
-        _stack.default_handle = _push(target, blocks.Segments() if config.shortcuts().segments_timed else None)
+        _stack.default_handle = _push(target, Segments() if config.shortcuts().segments_timed else None)
         if target is EagerMode.DEFER:
             # (handlers around the call that set the mode enclose the program it defers)
             _stack.default_handle.recorder.scope = handlers.scope_of(sys._getframe(1))

@@ -13,7 +13,7 @@ import torch
 import deferfuse
 from deferfuse import config
 from deferfuse.capture.tensor import DeferredTensor
-from deferfuse.exec import blocks
+from deferfuse.exec import blocks, segments
 from deferfuse.exec.blocks import Phase
 from deferfuse.modes import active_recorder
 
@@ -313,7 +313,7 @@ def test_a_decorated_function_is_chosen_for_at_each_call_site(tier):
 
 
 def test_the_table_of_places_is_bounded(tier, monkeypatch):
-    monkeypatch.setattr(blocks, "_MAX_PLACES", 3)
+    monkeypatch.setattr(blocks, "MAX_PLACES", 3)
     tier(1.0, 0.25)
     for line in range(5):
         source = "\n" * line + "with deferfuse.defer():\n    y = x + 1"
@@ -663,8 +663,8 @@ def test_a_segments_first_trial_is_priced_from_its_runs_at_once(monkeypatch):
     more; a with-block (credit, no such runs) is priced as before."""
     monkeypatch.setattr(blocks, "first_trial_estimate", lambda: 0.3)
     share, step = 0.05, 0.135
-    expected = 0.3 + blocks.SEGMENT_TRIAL_RUNS * step
-    segment = blocks.BlockChoice("segment:7", trial_runs=blocks.SEGMENT_TRIAL_RUNS)
+    expected = 0.3 + segments.SEGMENT_TRIAL_RUNS * step
+    segment = blocks.BlockChoice("segment:7", trial_runs=segments.SEGMENT_TRIAL_RUNS)
     block = blocks.BlockChoice("block:7", credit=blocks.BLOCK_CREDIT_S)
     with config.override(explore_share=share):
         runs = 0
@@ -739,17 +739,17 @@ def test_discovering_a_programs_boundaries_is_priced_from_its_steps(monkeypatch)
     now = [0.0]
     monkeypatch.setattr(blocks, "clock", lambda: now[0])
     monkeypatch.setattr(blocks, "first_trial_estimate", lambda: 0.3)
-    segments = blocks.Segments()
+    tier = segments.Segments()
     with config.override(explore_share=0.05, eager_segments=True, always_compile=False):
         now[0] = 7.0
-        assert segments.may_discover()                     # (nothing timed: the estimate alone)
-        step = blocks.BlockChoice("step:3", trial_runs=blocks.SEGMENT_TRIAL_RUNS)
+        assert tier.may_discover()                     # (nothing timed: the estimate alone)
+        step = blocks.BlockChoice("step:3", trial_runs=segments.SEGMENT_TRIAL_RUNS)
         for _ in range(5):
             step.finished(0.135, True, at_once=True)
-        segments.choice = step
-        assert not segments.may_discover()                 # 0.35 s of budget, ~4.4 s expected
-        now[0] = (0.3 + blocks.SEGMENT_TRIAL_RUNS * 0.135) / 0.05
-        assert segments.may_discover()
+        tier.choice = step
+        assert not tier.may_discover()                 # 0.35 s of budget, ~4.4 s expected
+        now[0] = (0.3 + segments.SEGMENT_TRIAL_RUNS * 0.135) / 0.05
+        assert tier.may_discover()
 
 
 # -- a new place's first run: at once, its ops counted (BlockChoice.probes) -------------------

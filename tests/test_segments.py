@@ -13,7 +13,7 @@ import torch
 
 import deferfuse
 from deferfuse import config, modes
-from deferfuse.exec import blocks
+from deferfuse.exec import blocks, segments
 
 
 class FakeClock:
@@ -241,22 +241,22 @@ def test_a_read_known_to_be_no_boundary_is_looked_at_again_when_the_places_chang
     for good, until a new place starts segments."""
     import sys
     frame = (lambda: sys._getframe(0))()   # (a frame that has returned: its offset holds still)
-    segments = blocks.Segments()
-    assert not segments.known_quiet(frame)
-    segments.quiet(frame, new=True)
-    assert segments.known_quiet(frame)
-    clock.now += blocks.NEW_READ_LOOK_S
-    assert not segments.known_quiet(frame)
-    segments.quiet(frame, new=False)
+    tier = segments.Segments()
+    assert not tier.known_quiet(frame)
+    tier.quiet(frame, new=True)
+    assert tier.known_quiet(frame)
+    clock.now += segments.NEW_READ_LOOK_S
+    assert not tier.known_quiet(frame)
+    tier.quiet(frame, new=False)
     clock.now += 1e6
-    assert segments.known_quiet(frame)
+    assert tier.known_quiet(frame)
 
     class Recorder:
         at_once_segment = True
 
     with config.override(eager_segments=True, always_compile=False):
-        segments.observed(Recorder(), deferfuse.debugging.source.user_line_from(sys._getframe(0)))
-    assert not segments.known_quiet(frame)
+        tier.observed(Recorder(), deferfuse.debugging.source.user_line_from(sys._getframe(0)))
+    assert not tier.known_quiet(frame)
 
 
 def test_mode_changes_while_a_segment_runs_at_once(clock):

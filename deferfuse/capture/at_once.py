@@ -128,7 +128,7 @@ class AtOnceMixin:
         return func(*args, **kwargs)
 
     def run_at_once(self, func, args: tuple, kwargs: dict) -> Any:
-        """An op of a segment that runs at once (exec/blocks.Segments): on torch's kernel now,
+        """An op of a segment that runs at once (exec/segments.Segments): on torch's kernel now,
         as strict runs it.  The segment started with nothing pending and records nothing, so
         every tensor holds its values: the op goes to torch as it is (a deferred tensor from
         before the segment answers with its data, as after its block), except a write, which

@@ -92,7 +92,7 @@ class DeferMode(TorchDispatchMode):
     def segment(self, segments, place, reason: FlushReason) -> None:
         """A ``with`` block whose work turned out to be a loop (a block around a whole training
         or evaluation loop): from this boundary on (a step's end, ``reason`` STEP, or a read),
-        the segment tier (``segments``, exec/blocks.Segments) chooses per iteration whether it
+        the segment tier (``segments``, exec/segments.Segments) chooses per iteration whether it
         runs deferred or at once, as under the default mode.  The block tier, which chooses per
         run of the whole block, cannot: the block runs once."""
         self.__class__ = SegmentedDeferMode
@@ -115,7 +115,7 @@ class DeferMode(TorchDispatchMode):
 
 
 def _segment_dispatch(self, func, types, args=(), kwargs=None):
-    """SegmentedDeferMode.__torch_dispatch__ (exec/blocks.Segments): a read of a value that had
+    """SegmentedDeferMode.__torch_dispatch__ (exec/segments.Segments): a read of a value that had
     to be computed ends a segment, and the next runs deferred or at once, as its place chose."""
     recorder = self.recorder
     if func is not LOCAL_SCALAR_DENSE:
@@ -143,7 +143,7 @@ def _segment_dispatch(self, func, types, args=(), kwargs=None):
 
 class SegmentedDeferMode(DeferMode):
     """The DeferMode of a default defer mode under eager_segments: ``segments`` (the tier's
-    state, exec/blocks.Segments) decides per segment whether its ops are recorded or run at
+    state, exec/segments.Segments) decides per segment whether its ops are recorded or run at
     once.  A mode of its own, so that a ``with`` block's ops pay nothing for the tier.
 
     A segment that runs at once runs with this mode off torch's dispatch stack (*suspended*),

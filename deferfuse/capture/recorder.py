@@ -102,7 +102,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         self.eager_unseen = shortcuts.unseen_ops_at_once
         self.eager_lone = shortcuts.lone_ops_at_once
         self.host_scalars = shortcuts.host_scalars_at_once
-        # a default defer mode's segment tier (exec/blocks.Segments), set by SegmentedDeferMode;
+        # a default defer mode's segment tier (exec/segments.Segments), set by SegmentedDeferMode;
         # while at_once_segment, every op runs at once (run_at_once)
         self.segments: Any = None
         self.at_once_segment = False
@@ -634,7 +634,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         have cost already (BlockChoice.loop_seed)."""
         if not config.shortcuts().segments_timed:
             return
-        from ..exec.blocks import BLOCK_CREDIT_S, Segments
+        from ..exec.blocks import BLOCK_CREDIT_S
+        from ..exec.segments import Segments
         self.block.holds_loop = True
         self.mode.segment(Segments(credit=BLOCK_CREDIT_S, trial_runs=0.0, seed=self.block.loop_seed()),
                           place, reason)

@@ -21,7 +21,7 @@ user reads:
 
 A ``with deferfuse.defer(span="block"):`` block is one program however many steps it holds,
 for a user who wants a longer program on purpose (and ``torch.compile`` of a multi-step
-function).  Under a default defer mode with the segment tier on (exec/blocks.Segments), a
+function).  Under a default defer mode with the segment tier on (exec/segments.Segments), a
 step's end also ends a segment, so the tier times and chooses per step.
 """
 

@@ -140,7 +140,7 @@ class DeferredTensor(torch.Tensor):
             from ..debugging.source import user_line   # (the debugging package imports us)
             if recorder.segments is not None:
                 # (a read that computed its value ends a default defer mode's segment: printing
-                # a loss, f"{loss:.4f}", as .item() does; exec/blocks.Segments)
+                # a loss, f"{loss:.4f}", as .item() does; exec/segments.Segments)
                 recorder.segments.observed(recorder, user_line())
                 recorder.mode.settle()   # (a segment at once runs with the mode off: SegmentedDeferMode)
             elif recorder.block is not None:

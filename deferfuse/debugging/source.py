@@ -77,7 +77,7 @@ def user_source() -> Optional[str]:
 
 # (code, bytecode offset) -> line number.  co_lines() is a scan of the whole code object: ~40 µs
 # for a script's module-level code, and the segment tier asks for the line of every read
-# (blocks._segment_key), an optimizer's step.item() among them.
+# (segments._segment_key), an optimizer's step.item() among them.
 _LINES: dict = {}
 _LINES_LIMIT = 1 << 14
 _UNKNOWN = object()
