@@ -843,3 +843,40 @@ def test_a_first_run_that_raises_is_not_timed_and_the_next_counts_again(probing)
     assert not place.reference and place.probes()
     torch.testing.assert_close(block(False), torch.tanh(x * 0.75 + 0.5))
     assert place.probed_ops > 0 and place.reference
+
+
+def _epochs(clock, use_defer: bool) -> list[str]:
+    """A block around an epoch's loop over a DataLoader with forked workers, switching modes
+    inside each step."""
+    import contextlib
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(1)
+    data = TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for _ in range(2):
+        with deferfuse.defer() if use_defer else contextlib.nullcontext():
+            for x, y in DataLoader(data, batch_size=16, num_workers=2, multiprocessing_context="fork"):
+                if use_defer:
+                    clock.spend()
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                with deferfuse.debug():
+                    checked = (x * 2).sum()
+                with deferfuse.strict():
+                    plain = (x + 1).mean()
+                seen.append(f"{loss.item():.6f} {checked.item():.4f} {plain.item():.4f}")
+    return seen
+
+
+def test_a_first_run_finds_its_loop_across_forked_workers_and_inner_modes(probing):
+    """A new place's first run (at once, its mode on torch's dispatch stack to count ops) around
+    a loop over a DataLoader that forks its workers, with debug and strict blocks inside each
+    step: strict's results, and the loop found."""
+    clock = probing(deferred=0.01, at_once=0.01)
+    assert _epochs(clock, True) == _epochs(clock, False)
+    assert [c for c in blocks.choices() if c.holds_loop]
+    assert [c for c in blocks.choices() if "steps ending" in c.place and c.probed_ops]
