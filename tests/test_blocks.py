@@ -872,11 +872,51 @@ def _epochs(clock, use_defer: bool) -> list[str]:
     return seen
 
 
-def test_a_first_run_finds_its_loop_across_forked_workers_and_inner_modes(probing):
+_FORKED_EPOCHS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_blocks
+from deferfuse.exec import blocks
+
+class Clock:
+    def spend(self):
+        pass
+
+strict = test_blocks._epochs(Clock(), False)
+deferred = test_blocks._epochs(Clock(), True)
+print(json.dumps({"same": deferred == strict, "loop": any(c.holds_loop for c in blocks.choices()),
+                  "probed": any("steps ending" in c.place and c.probed_ops for c in blocks.choices())}))
+"""
+
+
+def test_a_first_run_finds_its_loop_across_forked_workers_and_inner_modes():
     """A new place's first run (at once, its mode on torch's dispatch stack to count ops) around
     a loop over a DataLoader that forks its workers, with debug and strict blocks inside each
-    step: strict's results, and the loop found."""
+    step: strict's results, and the loop found at its second step's end.  In a fresh process
+    with the tiers at their defaults (this one has JAX's threads: no fork here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DEFERFUSE_EAGER_BLOCKS", "DEFERFUSE_EAGER_SEGMENTS")}
+    done = subprocess.run([sys.executable, "-c", _FORKED_EPOCHS, tests], capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"same": True, "loop": True, "probed": True}
+
+
+def test_two_reads_on_one_line_of_a_first_run_are_no_loop(probing):
+    """At once, every read is seen: ``print(loss.item(), acc.item())`` in a block around one
+    step read twice at one line, and the first run took it for a loop coming round (its block
+    then went to the segment tier for good).  A read's place there is its instruction."""
     clock = probing(deferred=0.01, at_once=0.01)
-    assert _epochs(clock, True) == _epochs(clock, False)
-    assert [c for c in blocks.choices() if c.holds_loop]
-    assert [c for c in blocks.choices() if "steps ending" in c.place and c.probed_ops]
+    x = torch.randn(6, 3)
+    with deferfuse.defer():
+        clock.spend()
+        a, b = (x * 2).sum(), (x + 1).mean()
+        seen = (a.item(), b.item())
+    assert seen == ((x * 2).sum().item(), (x + 1).mean().item())
+    place = _only_place()
+    assert not place.holds_loop and place.probed_ops > 0

@@ -100,8 +100,11 @@ class Segments:
 
     def _loop_found(self, recorder: Any, place: Any, reason: FlushReason) -> bool:
         """In a block's first run (``probe``): whether the boundary at ``place`` came round,
-        its iteration's time and ops then kept (probe_iteration) and the probe over."""
-        key = _segment_key(place, "step" if reason is FlushReason.STEP else "segment")
+        its iteration's time and ops then kept (probe_iteration) and the probe over.  A place
+        here is its instruction (a SourceLine), not its line: at once every read is seen, and
+        two on one line (``print(loss.item(), acc.item())`` in a block per step) are no loop.
+        (Deferred, only the first of them computes values, so a line is a boundary's key.)"""
+        key = (reason is FlushReason.STEP, place)
         now, ops = blocks.clock(), recorder.ops_at_once
         seen = self.probe_marks.get(key)
         if seen is None:
