@@ -71,7 +71,7 @@ class Segments:
         self.seed = seed
         self.choice: Optional[BlockChoice] = None
         # a ``with`` place's first run (probing), at once: its BlockChoice; the clock and the
-        # ops run at each boundary met so far, by segment key; and once a boundary came round
+        # ops run at each boundary met so far, by instruction; and once a boundary came round
         # (the block holds a loop), the iteration's seconds and ops, for its place's choice
         self.probe: Optional[BlockChoice] = None
         self.probe_marks: dict = {}
