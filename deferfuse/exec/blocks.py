@@ -143,6 +143,11 @@ def _median(samples: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def _compile_share(ops: int) -> float:
+    """What compiling ``ops`` ops costs the program, a core's share of the machine."""
+    return executables.compile_estimate(ops) * COMPILE_SHARE if ops else 0.0
+
+
 def _share_faster(a: list[float], b: list[float]) -> float:
     """The share of pairs (x from a, y from b) with x faster than y, ties counting half: 1.0
     when every run of ``a`` beat every run of ``b`` (the Mann-Whitney statistic over n*m)."""
@@ -263,21 +268,19 @@ class BlockChoice:
         budget."""
         self.pricing = False
         first = self.probed_ops * FIRST_RUN_OP_S
-        self.first_ops = self.probed_ops   # (the compile it would start: _explores_cheap)
-        if self._explores_cheap(first, run):
-            self.first_ops = 0   # (its first deferred run compiles nothing: _trial_cost)
-        else:
-            self.credit = 0.0
-            self.trial = first
+        if not self._explores_cheap(first, run, self.probed_ops):
+            # (the next trial compiles what it records: _trial_cost; a cheap place's first
+            # deferred run compiles nothing, and records its own ops: finished)
+            self.credit, self.trial, self.first_ops = 0.0, first, self.probed_ops
 
-    def _explores_cheap(self, first: float, run: float) -> bool:
+    def _explores_cheap(self, first: float, run: float, ops: int) -> bool:
         """Whether exploring on, after a first deferred run that cost ``first`` over a run at
         once of ``run`` seconds, is cheap enough for the credit (CHEAP_FIRST_RUNS): more such
-        runs until one is timed, and compiling what they record, within it."""
+        runs until one is timed, and compiling the ``ops`` they record, within it."""
         return first <= CHEAP_FIRST_RUNS * run \
-            and UNSTEADY_UNTIMED * first + self._first_compile() <= self.credit
+            and UNSTEADY_UNTIMED * first + _compile_share(ops) <= self.credit
 
-    def run_at_once(self) -> float:
+    def at_once_median(self) -> float:
         """What a run at once takes: the median of the recent ones (0 before any)."""
         return _median(self.reference) if self.reference else 0.0
 
@@ -302,15 +305,10 @@ class BlockChoice:
         expected = self.trial
         if expected is None:
             expected = first_trial_estimate()
-            if self.trial_runs and self.reference:
-                expected += self.trial_runs * _median(self.reference)
+            expected += self.trial_runs * self.at_once_median()
         if not self.deferred:
-            expected += self._first_compile()
+            expected += _compile_share(self.first_ops)   # (its first deferred run's ops)
         return expected
-
-    def _first_compile(self) -> float:
-        """What compiling the ops of the place's first deferred run costs, a core's share."""
-        return executables.compile_estimate(self.first_ops) * COMPILE_SHARE if self.first_ops else 0.0
 
     def starting(self, at_once: bool) -> None:
         """A run starts, ``at_once`` or deferred.  It will be timed at once only if no compile is
@@ -473,7 +471,7 @@ class BlockChoice:
             # what they record (CHEAP_FIRST_RUNS)
             before, runs = self.seeded_runs
             first = (excess + max(0.0, before - (runs - 1) * run)) / runs
-            if not self._explores_cheap(first, run):
+            if not self._explores_cheap(first, run, self.first_ops):
                 self.credit = 0.0
                 self.trial = excess
                 if self.last is None:

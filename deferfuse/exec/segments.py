@@ -170,7 +170,7 @@ class Segments:
         if choice is not None and choice.reference:
             # (the segment running at once, a training step say, measured: a first deferred
             # run of it costs SEGMENT_TRIAL_RUNS of its runs at once)
-            expected += SEGMENT_TRIAL_RUNS * choice.run_at_once()
+            expected += SEGMENT_TRIAL_RUNS * choice.at_once_median()
         return (blocks.clock() - self.created) * share >= expected
 
     @staticmethod
