@@ -24,3 +24,31 @@ def test_a_client_program_prints_what_strict_prints(program):
     verdicts = corpus.check(program)
     bad = {way: why for way, why in verdicts.items() if why is not None}
     assert not bad, f"{program.name}: " + "; ".join(f"{way}: {why}" for way, why in bad.items())
+
+
+# Programs with an opt-in ``with deferfuse.defer():`` (their ``--block`` flag), run as users run
+# them: every setting at its default, on a fresh cache folder and then again on it (warm).
+BLOCK_RUNS = [("epoch_blocks", ["--block"]), ("train_logging", ["--steps", "60", "--period", "5", "--block"]),
+              ("train_logging", ["--steps", "60", "--period", "5", "--block", "step"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, args", BLOCK_RUNS, ids=[" ".join([n, *a]) for n, a in BLOCK_RUNS])
+def test_a_client_program_in_defer_blocks_prints_what_strict_prints(name, args, tmp_path):
+    import os
+    import subprocess
+    import sys
+    program = corpus.HERE / f"{name}.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEFERFUSE_") and k != "TORCHTPU_MODE"}
+    env["DEFERFUSE_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(corpus.ROOT), env.get("PYTHONPATH", "")]))
+    plain = [a for a in args if a not in ("--block", "step")]
+
+    def run(arguments):
+        done = subprocess.run([sys.executable, str(program), *arguments], capture_output=True, text=True,
+                              env=env, cwd=corpus.ROOT, timeout=corpus.TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stdout
+    strict = run(plain)
+    for way in ("cold", "warm"):
+        assert corpus.same_output(strict, run(args)) is None, way
