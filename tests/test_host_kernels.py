@@ -684,6 +684,7 @@ _GUEST_CHILD = textwrap.dedent("""
         return hostkernels.guest_calls() + hostkernels.served_calls()
 
     expected = block()                      # (torch's own OpenMP team made here)
+    product, num_threads = x @ w1, torch.get_num_threads()
     with config.override(eager_blocks=False, host_kernels=False):
         for _ in range(10):
             with deferfuse.defer():
@@ -702,32 +703,67 @@ _GUEST_CHILD = textwrap.dedent("""
                 first = out if first is None else first
                 same = same and torch.equal(out, first)
             runs += 1
+    # served runs with the serving thread's team released between kernels, and kept
+    releases = hostkernels.team_releases()
+    released_same = True
+    with config.override(eager_blocks=False):
+        for release in (True, False) * 5:
+            with config.override(host_kernel_release_team=release):
+                with deferfuse.defer():
+                    out = block()
+                released_same = released_same and torch.equal(out, first)
     print(json.dumps({"guest": hostkernels.guest_calls(), "served": hostkernels.served_calls(),
-                      "runs": runs, "same": same,
+                      "runs": runs, "same": same, "released_same": released_same,
+                      "releases": hostkernels.team_releases() - releases,
+                      "strict_same": torch.equal(x @ w1, product),
+                      "num_threads_same": torch.get_num_threads() == num_threads,
                       "close": torch.allclose(first, expected, rtol=1e-4, atol=1e-5),
                       "before": before, "after": threads()}))
 """)
 
 
+@pytest.fixture(scope="module")
+def guest_child(tmp_path_factory) -> dict:
+    """What _GUEST_CHILD observed, in a fresh process (it counts the process's threads)."""
+    environment = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
+                       PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", _GUEST_CHILD], capture_output=True, text=True,
+                          env=environment, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_a_kernel_xla_calls_on_its_own_thread_leaves_no_openmp_team_behind(tmp_path):
+def test_a_kernel_xla_calls_on_its_own_thread_leaves_no_openmp_team_behind(guest_child):
     """XLA may run a custom call on a thread of its intra-op pool.  torch's kernel there made an
     OpenMP team that lived as long as the process, and with more OpenMP threads than cores every
     team's workers sleep between regions: the user's own small torch ops then ran up to 10x
     slower.  Such a call is now handed to the thread that runs the program (served), whose
     team strict's kernels use anyway, with torch's thread count: the same bits either way, and
     no thread of XLA's holds a team."""
-    environment = dict(os.environ, DEFERFUSE_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", _GUEST_CHILD], capture_output=True, text=True,
-                          env=environment, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = guest_child
     assert result["same"] and result["close"], result
     if result["guest"] + result["served"] == 0:
         pytest.skip(f"XLA ran every kernel on the calling thread in {result['runs']} runs")
     # (a program's runs are served once one of its kernels ran on a thread made for it: at
     # most one run's three products)
     assert result["guest"] <= 3, result
+    assert result["after"] == result["before"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_serving_thread_releases_its_team_between_kernels_and_keeps_the_bits(guest_child):
+    """The serving thread's OpenMP workers spun for ~3 ms after each kernel on the cores where XLA
+    ran the program's fusions.  It now releases its team when no kernel follows
+    (host_kernel_release_team): served runs give the same bits released or kept, strict's own
+    product after them gives strict's bits with torch's thread count, and the workers made
+    again leave no thread behind."""
+    result = guest_child
+    if result["guest"] + result["served"] == 0:
+        pytest.skip(f"XLA ran every kernel on the calling thread in {result['runs']} runs")
+    assert result["released_same"], result
+    assert result["releases"] > 0, result
+    assert result["strict_same"] and result["num_threads_same"], result
     assert result["after"] == result["before"]
 
 

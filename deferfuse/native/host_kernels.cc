@@ -439,10 +439,38 @@ extern "C" void deferfuse_host_serve_begin() {
   server->thread = pthread_self();
 }
 
+// Releasing the serving team's workers.  GNU OpenMP's idle workers spin for a while (its default
+// spin count, ~3 ms) after each parallel region before they sleep.  While a program is served,
+// XLA runs the fusions between its kernels, and beside them, on the same cores, so a kernel's
+// workers spinning there took those cores from XLA (in a Llama step's program at size medium
+// the fusions took ~100 ms more than with OpenMP's passive wait policy).  So when no kernel
+// follows within kReleaseAfter, the serving thread releases its team (omp_pause_resource_all:
+// the workers exit; this thread's next parallel region, a kernel's or strict's, makes them
+// again, with the same thread count, hence the same bits).  Where the OpenMP runtime has no
+// omp_pause_resource_all (OpenMP < 5.0), nothing is released.
+static constexpr std::chrono::microseconds kReleaseAfter{20};
+static std::atomic<bool> release_team{true};
+static std::atomic<int64_t> team_releases{0};
+
+using PauseAll = int (*)(int);
+static PauseAll FindPauseAll() {
+  return reinterpret_cast<PauseAll>(dlsym(RTLD_DEFAULT, "omp_pause_resource_all"));
+}
+
 extern "C" void deferfuse_host_serve() {
   Server& s = *server;
+  static const PauseAll pause_all = FindPauseAll();
   std::unique_lock<std::mutex> lock(s.mu);
+  bool ran = false;   // (a kernel ran since the team was last released)
   for (;;) {
+    if (ran && pause_all != nullptr && release_team.load(std::memory_order_relaxed) &&
+        !s.requested.wait_for(lock, kReleaseAfter, [&] { return !s.queue.empty() || s.over; })) {
+      lock.unlock();
+      pause_all(1);   // (omp_pause_soft)
+      team_releases.fetch_add(1, std::memory_order_relaxed);
+      lock.lock();
+      ran = false;
+    }
     s.requested.wait(lock, [&] { return !s.queue.empty() || s.over; });
     while (!s.queue.empty()) {
       Request* request = s.queue.front();
@@ -452,6 +480,7 @@ extern "C" void deferfuse_host_serve() {
       lock.lock();
       request->error.emplace(std::move(result));
       s.answered.notify_all();
+      ran = true;
     }
     if (s.over) break;
   }
@@ -472,6 +501,9 @@ static const int at_fork = pthread_atfork(nullptr, nullptr, AtForkChild);
 // How many calls ran on a thread made for them / on the serving thread; nanoseconds in kernels.
 extern "C" int64_t deferfuse_host_served_calls() { return served_calls.load(std::memory_order_relaxed); }
 extern "C" int64_t deferfuse_host_kernel_ns() { return kernel_ns.load(std::memory_order_relaxed); }
+// Whether the serving thread releases its team when idle (config host_kernel_release_team).
+extern "C" void deferfuse_host_set_release_team(int on) { release_team.store(on != 0); }
+extern "C" int64_t deferfuse_host_team_releases() { return team_releases.load(std::memory_order_relaxed); }
 extern "C" int64_t deferfuse_host_guest_calls() { return guest_calls.load(std::memory_order_relaxed); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(deferfuse_host_convolution, Convolution,

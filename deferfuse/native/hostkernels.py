@@ -246,6 +246,12 @@ def served_calls() -> int:
     return _counter("deferfuse_host_served_calls")
 
 
+def team_releases() -> int:
+    """How many times the serving thread released its OpenMP team because no kernel followed
+    (host_kernels.cc, "Releasing the serving team's workers"): 0 before the library is loaded."""
+    return _counter("deferfuse_host_team_releases")
+
+
 def kernel_seconds() -> float:
     """Seconds this process has spent inside the host kernels, on any thread."""
     return _counter("deferfuse_host_kernel_ns") * 1e-9
@@ -277,6 +283,7 @@ class _Driver:
 
 
 _serving = threading.Lock()     # held by the one thread that serves
+_release_set: list = [None]     # host_kernel_release_team as last handed to the library
 _driver: list[_Driver] = []
 
 
@@ -293,6 +300,10 @@ def served(run: Callable[[], T]) -> T:
         if not _driver:
             _driver.append(_Driver())
         box: list = []
+        release = bool(config.get("host_kernel_release_team"))
+        if _release_set[0] is not release:
+            library.deferfuse_host_set_release_team(int(release))
+            _release_set[0] = release
         library.deferfuse_host_serve_begin()
         _driver[0].jobs.put((run, box, library.deferfuse_host_serve_end))
         library.deferfuse_host_serve()     # (ctypes lets go of the GIL while it serves)
