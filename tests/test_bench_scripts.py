@@ -172,3 +172,12 @@ def test_openmp_teams_times_a_thread_made_for_a_call(capsys):
         pytest.skip("no g++: the host kernels are not built here either")
     assert openmp_teams.main(["--thread-cost"]) == 0
     assert "a thread made for a 2-thread OpenMP region: median" in capsys.readouterr().out
+
+
+def test_team_release_times_a_step_with_the_serving_team_released_and_kept(capsys):
+    from bench import team_release
+    assert team_release.main(["--model", "gpt2", "--size", "tiny", "--rounds", "2", "--warm-up", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "released / kept" in out and "team released" in out
+    for lane in team_release.LANES:
+        assert f"  {lane}" in out
