@@ -335,6 +335,16 @@ def test_asking_for_deterministic_algorithms_ends_a_segment_at_once():
             blocks.forget()
 
 
+def _assert_same_losses(actual: list, expected: list) -> None:
+    """The printed losses equal strict's up to the last printed digit: a step run in an XLA
+    program computes tanh and the mean with XLA's kernels (within an ulp of torch's, not
+    bitwise), and whether a step ran so or was replayed on torch's kernels while its program
+    compiled depends on how long the compile took, so the sixth decimal may differ."""
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected):
+        assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)) + 2e-6, (actual, expected)
+
+
 def _train(steps: int, clock=None, deferred_s: float = 1.0, at_once_s: float = 1.0, place=None, ways=None):
     """A training loop reading its loss every step; with ``clock``, each step takes the time the
     test says for the way it ran (and ``ways`` gets whether it ran at once)."""
@@ -382,7 +392,8 @@ def test_a_with_block_around_a_training_loop_chooses_per_step(clock, deferred_s,
         assert at_once > 20 if chosen is blocks.Phase.AT_ONCE else at_once == blocks.SAMPLES
         again, actual_again = run()
         assert again is not None   # (its next run: the steps' tier from the start)
-    assert actual[0] == expected[0] and actual_again[0] == expected[0]
+    _assert_same_losses(actual[0], expected[0])
+    _assert_same_losses(actual_again[0], expected[0])
     for a, b in zip(actual[1] + actual_again[1], expected[1] * 2):
         torch.testing.assert_close(a, b)
     assert "steps ending" in str(deferfuse.explain())
@@ -403,7 +414,7 @@ def test_a_with_block_around_a_loop_finds_it_at_once(clock, deferred_s, at_once_
         with deferfuse.defer():
             actual = _train(30, clock, deferred_s, at_once_s, ways=ways)
     expected = _train(30)
-    assert actual[0] == expected[0]
+    _assert_same_losses(actual[0], expected[0])
     for got, want in zip(actual[1], expected[1]):
         torch.testing.assert_close(got, want)
     # (the probe's two steps, the loop found at the second's end, then a warm step that prices)
