@@ -1,11 +1,14 @@
 """The serving thread's OpenMP team released between kernels, against kept, in one process.
 
-    python -m bench.team_release [--model llama] [--size medium] [--rounds 12]
+    python -m bench.team_release [--model llama] [--size medium] [--rounds 12] [--front compile]
 
 A zoo model's training step (forward, backward, AdamW, the loss read with ``.item()``) runs
 strict and deferred (``eager_blocks=False, autotune_engine=False``: every step one recorded
-program, its products in the host kernels, served), and the deferred step alternates between
-``host_kernel_release_team`` on and off, the three in a shuffled order each round
+program, its products in the host kernels, served; ``--front compile``: the model under
+``torch.compile(backend="deferfuse")``, its forward and backward two programs, AdamW eager),
+and the deferfuse step alternates between
+``host_kernel_team_release_us`` at ``--release-us`` (released) and -1 (kept), the three in a
+shuffled order each round
 (bench/harness.py: what ran just before a candidate changes its time).  Prints the medians in
 ms, each deferred lane against strict, and released over kept; and how many times the team was
 released (``hostkernels.team_releases()``).  Both lanes run the same executables: the setting
@@ -36,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="medium", choices=zoo.SIZES)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warm-up", type=int, default=3)
+    parser.add_argument("--front", choices=("defer", "compile"), default="defer")
+    parser.add_argument("--release-us", type=int, default=deferfuse.config.get("host_kernel_team_release_us"),
+                        help="the released lane's host_kernel_team_release_us (default: the setting's)")
     args = parser.parse_args(argv)
 
     @contextlib.contextmanager
@@ -45,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = zoo.MODELS[args.model]
     strict_step = step_of(model, args.size, contextlib.nullcontext)
-    deferred_step = step_of(model, args.size, deferred)
+    deferred_step = step_of(model, args.size, deferred) if args.front == "defer" \
+        else compiled_step_of(model, args.size)
     for _ in range(args.warm_up):
         strict_step()
         deferred_step()
@@ -56,18 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         shuffle.shuffle(order)
         for lane in order:
-            with deferfuse.config.override(host_kernel_release_team=lane == "released"):
+            release_us = args.release_us if lane == "released" else -1
+            with deferfuse.config.override(host_kernel_team_release_us=release_us):
                 started = time.perf_counter()
                 (strict_step if lane == "strict" else deferred_step)()
                 times[lane].append(time.perf_counter() - started)
     median = {lane: 1e3 * statistics.median(times[lane]) for lane in LANES}
-    print(f"{args.model} ({args.size}) training step, medians of {args.rounds} shuffled rounds:")
+    print(f"{args.model} ({args.size}) training step, {args.front}, released after {args.release_us} us, medians of {args.rounds} shuffled rounds:")
     for lane in LANES:
         against = "" if lane == "strict" else f"  ({median['strict'] / median[lane]:.2f}x strict)"
         print(f"  {lane:<9}{median[lane]:8.1f} ms{against}")
     print(f"  released / kept {median['released'] / median['kept']:.3f}; team released "
           f"{hostkernels.team_releases() - releases} times")
     return 0
+
+
+def compiled_step_of(model: zoo.ZooModel, size: str):
+    """bench.engine_time's step, the model under torch.compile(backend="deferfuse")."""
+    import deferfuse.compile
+    network = model.make(size, seed=0)
+    optimizer = zoo.optimizer_for(network, model)
+    batch = model.batch(size, torch.Generator().manual_seed(1))
+    compiled = torch.compile(network, backend=deferfuse.compile.backend)
+
+    def step() -> float:
+        return zoo.train_step(compiled, model, optimizer, batch).item()
+    return step
 
 
 if __name__ == "__main__":

@@ -100,12 +100,13 @@ _declare("host_kernel_serving", bool, True,
          "program; off, a kernel XLA calls on one of its own threads runs on a thread made for "
          "the call (1.8x strict's time on a training step's products).  Same bits either way.  "
          "See deferfuse/native/host_kernels.cc, \"Serving\".")
-_declare("host_kernel_release_team", bool, True,
-         "With host_kernel_serving: when no kernel follows within 20 us, the serving thread "
-         "releases its OpenMP team, whose idle workers would otherwise spin for ~3 ms on the "
-         "cores where XLA runs the program's fusions (2% of a Llama step, in-process A/B; "
-         "docs/performance.md).  The next parallel region makes the team again, with the same "
-         "thread count: the same bits.  See deferfuse/native/host_kernels.cc.")
+_declare("host_kernel_team_release_us", int, 1000,
+         "With host_kernel_serving: when no kernel follows within this many microseconds, the "
+         "serving thread releases its OpenMP team, whose idle workers would otherwise spin for "
+         "~3 ms on the cores where XLA runs the program's fusions; the next kernel makes the "
+         "team again (a fresh team costs its first products ~0.7 ms), with the same thread "
+         "count: the same bits.  -1: never.  See docs/performance.md and "
+         "deferfuse/native/host_kernels.cc.")
 _declare("host_kernel_min_flops", int, -1,
          "With host_kernels: a matrix product or an attention goes to torch's kernel only when "
          "it has at least this many FLOPs (2*M*N*K, times the batch; an attention's two "

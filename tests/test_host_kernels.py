@@ -707,8 +707,8 @@ _GUEST_CHILD = textwrap.dedent("""
     releases = hostkernels.team_releases()
     released_same = True
     with config.override(eager_blocks=False):
-        for release in (True, False) * 5:
-            with config.override(host_kernel_release_team=release):
+        for release_us in (0, -1) * 5:
+            with config.override(host_kernel_team_release_us=release_us):
                 with deferfuse.defer():
                     out = block()
                 released_same = released_same and torch.equal(out, first)
@@ -755,7 +755,7 @@ def test_a_kernel_xla_calls_on_its_own_thread_leaves_no_openmp_team_behind(guest
 def test_the_serving_thread_releases_its_team_between_kernels_and_keeps_the_bits(guest_child):
     """The serving thread's OpenMP workers spun for ~3 ms after each kernel on the cores where XLA
     ran the program's fusions.  It now releases its team when no kernel follows
-    (host_kernel_release_team): served runs give the same bits released or kept, strict's own
+    (host_kernel_team_release_us): served runs give the same bits released or kept, strict's own
     product after them gives strict's bits with torch's thread count, and the workers made
     again leave no thread behind."""
     result = guest_child

@@ -448,8 +448,7 @@ extern "C" void deferfuse_host_serve_begin() {
 // the workers exit; this thread's next parallel region, a kernel's or strict's, makes them
 // again, with the same thread count, hence the same bits).  Where the OpenMP runtime has no
 // omp_pause_resource_all (OpenMP < 5.0), nothing is released.
-static constexpr std::chrono::microseconds kReleaseAfter{20};
-static std::atomic<bool> release_team{true};
+static std::atomic<int64_t> release_after_us{1000};   // (-1: never)
 static std::atomic<int64_t> team_releases{0};
 
 using PauseAll = int (*)(int);
@@ -463,8 +462,10 @@ extern "C" void deferfuse_host_serve() {
   std::unique_lock<std::mutex> lock(s.mu);
   bool ran = false;   // (a kernel ran since the team was last released)
   for (;;) {
-    if (ran && pause_all != nullptr && release_team.load(std::memory_order_relaxed) &&
-        !s.requested.wait_for(lock, kReleaseAfter, [&] { return !s.queue.empty() || s.over; })) {
+    const int64_t after_us = release_after_us.load(std::memory_order_relaxed);
+    if (ran && pause_all != nullptr && after_us >= 0 &&
+        !s.requested.wait_for(lock, std::chrono::microseconds(after_us),
+                              [&] { return !s.queue.empty() || s.over; })) {
       lock.unlock();
       pause_all(1);   // (omp_pause_soft)
       team_releases.fetch_add(1, std::memory_order_relaxed);
@@ -501,8 +502,9 @@ static const int at_fork = pthread_atfork(nullptr, nullptr, AtForkChild);
 // How many calls ran on a thread made for them / on the serving thread; nanoseconds in kernels.
 extern "C" int64_t deferfuse_host_served_calls() { return served_calls.load(std::memory_order_relaxed); }
 extern "C" int64_t deferfuse_host_kernel_ns() { return kernel_ns.load(std::memory_order_relaxed); }
-// Whether the serving thread releases its team when idle (config host_kernel_release_team).
-extern "C" void deferfuse_host_set_release_team(int on) { release_team.store(on != 0); }
+// How long the serving thread waits for the next kernel before it releases its team, -1 never
+// (config host_kernel_team_release_us).
+extern "C" void deferfuse_host_set_release_after_us(int64_t us) { release_after_us.store(us); }
 extern "C" int64_t deferfuse_host_team_releases() { return team_releases.load(std::memory_order_relaxed); }
 extern "C" int64_t deferfuse_host_guest_calls() { return guest_calls.load(std::memory_order_relaxed); }
 

@@ -283,7 +283,7 @@ class _Driver:
 
 
 _serving = threading.Lock()     # held by the one thread that serves
-_release_set: list = [None]     # host_kernel_release_team as last handed to the library
+_release_set: list = [None]     # host_kernel_team_release_us as last handed to the library
 _driver: list[_Driver] = []
 
 
@@ -300,9 +300,9 @@ def served(run: Callable[[], T]) -> T:
         if not _driver:
             _driver.append(_Driver())
         box: list = []
-        release = bool(config.get("host_kernel_release_team"))
-        if _release_set[0] is not release:
-            library.deferfuse_host_set_release_team(int(release))
+        release = config.get("host_kernel_team_release_us")
+        if _release_set[0] != release:
+            library.deferfuse_host_set_release_after_us(ctypes.c_int64(release))
             _release_set[0] = release
         library.deferfuse_host_serve_begin()
         _driver[0].jobs.put((run, box, library.deferfuse_host_serve_end))
