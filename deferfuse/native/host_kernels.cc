@@ -444,11 +444,12 @@ extern "C" void deferfuse_host_serve_begin() {
 // XLA runs the fusions between its kernels, and beside them, on the same cores, so a kernel's
 // workers spinning there took those cores from XLA (in a Llama step's program at size medium
 // the fusions took ~100 ms more than with OpenMP's passive wait policy).  So when no kernel
-// follows within kReleaseAfter, the serving thread releases its team (omp_pause_resource_all:
+// follows within release_after_us, the serving thread releases its team (omp_pause_resource_all:
 // the workers exit; this thread's next parallel region, a kernel's or strict's, makes them
 // again, with the same thread count, hence the same bits).  Where the OpenMP runtime has no
 // omp_pause_resource_all (OpenMP < 5.0), nothing is released.
-static std::atomic<int64_t> release_after_us{1000};   // (-1: never)
+// (-1: never; hostkernels.served sets it from host_kernel_team_release_us before serving)
+static std::atomic<int64_t> release_after_us{-1};
 static std::atomic<int64_t> team_releases{0};
 
 using PauseAll = int (*)(int);
