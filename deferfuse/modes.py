@@ -169,9 +169,8 @@ def _stop_defer(handle, reason: FlushReason, *, flush: bool = True) -> None:
             recorder.flush_all(reason)
     finally:
         recorder.active = False
-        from .capture.storage import drop_reads
-        drop_reads(recorder.real_states)
-        recorder.real_states.clear()
+        recorder.release_states()
+        recorder.real_states.clear()   # (a context left without its flush lets go of everything)
         try:
             handle.__exit__(None, None, None)
         finally:

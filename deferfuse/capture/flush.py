@@ -96,6 +96,8 @@ def materialize_states(states: list[StorageState], reason: FlushReason, recorder
         _release(nodes)
     if recorder is not None:
         recorder.pending_nodes = max(0, recorder.pending_nodes - len(nodes))
+        if not everything:
+            recorder.flushed()
 
 
 # A flush computes what it needs, and with it every pending storage whose graph shares work with

@@ -24,7 +24,6 @@ from .fastpath import FAST, UNSEEN, fast_form
 from .opfacts import LOCAL_SCALAR_DENSE
 from .patches import BLOCK_PATCHES, READ_PATCHES, SEGMENT_READS
 from .recorder import Recorder
-from .storage import drop_reads
 
 
 def _defer_dispatch(self, func, types, args=(), kwargs=None):
@@ -252,8 +251,7 @@ class SegmentedDeferMode(DeferMode):
                 self._left = (torch._C._len_torch_dispatch_stack(), _current_mode())
                 # (as at a block's exit: what the storages cached from graphs goes; the
                 # segment's writes go to memory that the next deferred segment reads afresh)
-                drop_reads(recorder.real_states)
-                recorder.real_states.clear()
+                recorder.release_states()
                 forget_frames()   # (the frames the last walk kept: their locals stay alive)
         elif self.suspended:
             if self._left == (torch._C._len_torch_dispatch_stack(), _current_mode()):

@@ -69,8 +69,8 @@ from .opfacts import ACTS_BEFORE_CONVERTING, FACTS, decomposition_of, grad_mode_
 from .patches import READ_PATCHES
 from .scalars import runtime_scalar, static_key
 from .sized import SIZED, STATIC
-from .storage import (PLAIN, PLAIN_CACHE_SIZE, STATES_BY_PTR, exposed, flat_buffer, flat_meta, foreign,
-                      forget_dead_plain, raw_data_ptr, untyped_storage)
+from .storage import (ORPHANS, PLAIN, PLAIN_CACHE_SIZE, STATES_BY_PTR, drop_reads, exposed, flat_buffer,
+                      flat_meta, foreign, forget_dead_plain, orphaned, raw_data_ptr, untyped_storage)
 from .tensor import DeferredTensor
 from .trees import restructure, undefined_where_masked
 
@@ -85,7 +85,10 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         # weak references to storages written since the last flush_all (a list, not a WeakSet:
         # one append per op is the hot path; duplicates and dead ones are dropped at flush)
         self.pending: list = []
-        self.real_states: set[StorageState] = set()   # user storages touched (kept until exit)
+        # user storages touched since everything was last flushed: held (their pending writes,
+        # and the graph inputs pending nodes read, must outlive the user's tensors) until
+        # release_states
+        self.real_states: set[StorageState] = set()
         self.pending_nodes = 0
         self.record_source = config.get("record_source")
         self.max_pending = config.get("max_pending_nodes")
@@ -215,6 +218,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
             numel = storage.nbytes() // t.element_size()
             state = StorageState(numel, t.dtype, t.device, buffer=flat_buffer(t, ptr, numel),
                                  foreign=foreign(storage) or exposed(ptr))
+            state.owner = weakref.ref(t._base if t._base is not None else t, orphaned(weakref.ref(state)))
             if ptr:
                 STATES_BY_PTR[ptr] = state
         self.real_states.add(state)
@@ -579,6 +583,55 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         self.pending_nodes = 0
         last = self.last_node
         self.cut_at = -1 if last is None else last.id
+        self.release_states()
+
+    def release_states(self) -> None:
+        """Nothing this recorder recorded is pending (everything was flushed, or the context
+        ends, or its segment runs at once): the storages it touched are let go, with what they
+        cached from its graphs (drop_reads), and each is entered afresh when next touched (its
+        epoch).  Without this a context that never ends (TORCHTPU_MODE=defer) held every storage
+        it ever read: on the zoo's Llama, the memory of each step's results that ran at once,
+        ~13 MB a step.  A storage whose contents are still pending stays held."""
+        states = self.real_states
+        if not states:
+            return
+        drop_reads(states)
+        epoch = self.epoch
+        held = set()
+        for s in states:
+            if s.contents is not None:
+                held.add(s)
+            elif s.epoch == epoch:
+                s.epoch = -1
+        self.real_states = held
+        if ORPHANS:
+            ORPHANS[:] = [ref for ref in ORPHANS if ref() is not None and ref() not in states]
+
+    def flushed(self) -> None:
+        """A flush of part of what is pending ended (an inference loop reading each batch's
+        result with .item() flushes only that): the storages it holds whose user tensors have
+        gone since (ORPHANS) are let go, unless their contents are pending or pending nodes
+        still read their graph inputs (a write to the memory must then keep what those read:
+        snapshot_old_leaves); those are looked at again at the next flush.  The storages of
+        live tensors (an optimizer's parameters) stay held, with the reads they cached."""
+        if not ORPHANS:
+            return
+        orphans = ORPHANS[:]
+        del ORPHANS[:len(orphans)]
+        states, epoch = self.real_states, self.epoch
+        for ref in orphans:
+            s = ref()
+            if s is None or s not in states:
+                continue   # (gone, or another recorder's: let go when that one flushes everything)
+            if s.contents is None:
+                s.reads = {}
+                s.leaf = None
+                if not any(leaf() is not None for leaf in s.old_leaves):
+                    states.discard(s)
+                    if s.epoch == epoch:
+                        s.epoch = -1
+                    continue
+            ORPHANS.append(ref)   # (still needed: looked at again at the next flush)
 
     # -- step boundaries (capture/steps.py) ----------------------------------------------------
     def _bound(self) -> int:

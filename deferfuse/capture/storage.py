@@ -43,6 +43,17 @@ PLAIN: dict[int, tuple] = {}
 PLAIN_CACHE_SIZE = 4096   # plain tensors remembered before starting over
 
 
+# Weak references to the states of plain tensors' memory whose tensor (StorageState.owner) has
+# gone: a recorder that still holds one (real_states) lets it go at its next flush
+# (Recorder.flushed).  Appended to by the owners' weakref callbacks, whenever they run.
+ORPHANS: list = []
+
+
+def orphaned(state_ref: "weakref.ref[StorageState]"):
+    """The callback for a state's owner: its state goes to ORPHANS."""
+    return lambda _dead: ORPHANS.append(state_ref)
+
+
 def forget_dead_plain(key: int, dead: Any) -> None:
     entry = PLAIN.get(key)
     if entry is not None and entry[0] is dead:

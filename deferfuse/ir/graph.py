@@ -186,7 +186,7 @@ class StorageState:
     """
 
     __slots__ = ("buffer", "contents", "version", "numel", "dtype", "device", "reads", "leaf",
-                 "old_leaves", "epoch", "owned", "foreign", "poisoned", "__weakref__")
+                 "old_leaves", "epoch", "owned", "foreign", "poisoned", "owner", "__weakref__")
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
                  buffer: Optional[torch.Tensor] = None, contents: Any = None, foreign: bool = False) -> None:
@@ -213,6 +213,9 @@ class StorageState:
         # the error of the op whose result this storage was to hold, raised again when it is
         # read (a flush that failed: capture/flush.poison); None for a storage with a value
         self.poisoned: Optional[BaseException] = None
+        # the user's tensor (weakly) whose memory ``buffer`` is, for the state of a plain tensor
+        # (Recorder.state_of_real): once it is gone, only pending nodes may still read the memory
+        self.owner: Optional[weakref.ref] = None
 
     def changed(self) -> None:
         """The contents or their representation changed: cached reads are stale."""
