@@ -32,7 +32,7 @@ os.environ.setdefault("DEFERFUSE_EAGER_BLOCKS", "0")
 import deferfuse
 from bench.workloads import adamw_spec
 from deferfuse.capture import flush
-from deferfuse.exec import executables, interop, runner
+from deferfuse.exec import executables, interop
 
 
 def _faults() -> int:
@@ -62,34 +62,22 @@ class _Timer:
 
 @contextlib.contextmanager
 def _instrumented(parts: dict[str, _Timer]):
-    """Time interop's DLPack crossings, the executable (its call and the wait for its results)
-    and the flush's write-back copies."""
-    to_jax, to_torch, lookup = interop.to_jax, interop.to_torch, executables.lookup
-    block = runner.jax.block_until_ready
+    """Time interop's DLPack crossings, the executable (``executables.run``: its call and the
+    wait for its results) and the flush's write-back copies."""
+    to_jax, to_torch, run = interop.to_jax, interop.to_torch, executables.run
     write_back = flush.write_back
-    run = parts["run executable"]
-
-    def timed_lookup(*args, **kwargs):
-        compiled = lookup(*args, **kwargs)
-        if compiled is None:
-            return None
-        timed = executables.Compiled(run.wrap(compiled.executable), compiled.n_scalars, compiled.checks)
-        timed.signature = compiled.signature
-        return timed
     interop.to_jax = parts["import inputs (DLPack)"].wrap(to_jax)
     interop.to_torch = parts["export results (DLPack)"].wrap(to_torch)
-    executables.lookup = timed_lookup
-    runner.jax.block_until_ready = run.wrap(block)
+    executables.run = parts["run executable"].wrap(run)
     flush.write_back = parts["write-back copies"].wrap(write_back)
     try:
         yield
     finally:
-        interop.to_jax, interop.to_torch, executables.lookup = to_jax, to_torch, lookup
-        runner.jax.block_until_ready = block
+        interop.to_jax, interop.to_torch, executables.run = to_jax, to_torch, run
         flush.write_back = write_back
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=50, help="parameter tensors (default 50)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
@@ -97,7 +85,7 @@ def main() -> None:
     parser.add_argument("--write-back-both", action="store_true",
                         help="alternate steps between the write-back as one memmove per tensor "
                              "(deferfuse's default up to 1 MB) and torch's copy_, and show both")
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     memmove_bytes = flush.MEMMOVE_BYTES
 
     spec = adamw_spec(count=options.count)

@@ -181,3 +181,13 @@ def test_team_release_times_a_step_with_the_serving_team_released_and_kept(capsy
     assert "released / kept" in out and "team released" in out
     for lane in team_release.LANES:
         assert f"  {lane}" in out
+
+
+def test_adamw_parts_splits_a_deferred_optimizer_step(capsys):
+    """bench.adamw_parts times each part of a deferred AdamW step's flush (it broke once when the
+    engine's run no longer called the function it hooked)."""
+    from bench import adamw_parts
+    adamw_parts.main(["--count", "3", "--steps", "2", "--warmup", "1"])
+    out = capsys.readouterr().out
+    for part in ("strict step", "defer: recording", "flush: run executable", "write-back copies"):
+        assert part in out

@@ -583,29 +583,35 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         self.pending_nodes = 0
         last = self.last_node
         self.cut_at = -1 if last is None else last.id
-        self.release_states()
+        self.release_states(keep_live=True)
 
-    def release_states(self) -> None:
+    def release_states(self, keep_live: bool = False) -> None:
         """Nothing this recorder recorded is pending (everything was flushed, or the context
         ends, or its segment runs at once): the storages it touched are let go, with what they
         cached from its graphs (drop_reads), and each is entered afresh when next touched (its
         epoch).  Without this a context that never ends (TORCHTPU_MODE=defer) held every storage
         it ever read: on the zoo's Llama, the memory of each step's results that ran at once,
-        ~13 MB a step.  A storage whose contents are still pending stays held."""
+        ~13 MB a step.  A storage whose contents are still pending stays held; ``keep_live``
+        (a flush of everything, the context going on): so does the storage of a live user
+        tensor, with the reads it cached, as an optimizer's parameters are read again by the
+        next program (re-entering 200 of them after each of an AdamW step's cuts cost ~13%)."""
         states = self.real_states
         if not states:
             return
-        drop_reads(states)
         epoch = self.epoch
-        held = set()
+        held, let_go = set(), []
         for s in states:
-            if s.contents is not None:
+            owner = s.owner
+            if s.contents is not None or (keep_live and owner is not None and owner() is not None):
                 held.add(s)
-            elif s.epoch == epoch:
-                s.epoch = -1
+            else:
+                let_go.append(s)
+                if s.epoch == epoch:
+                    s.epoch = -1
+        drop_reads(let_go)
         self.real_states = held
         if ORPHANS:
-            ORPHANS[:] = [ref for ref in ORPHANS if ref() is not None and ref() not in states]
+            ORPHANS[:] = [ref for ref in ORPHANS if ref() is not None and ref() in held]
 
     def flushed(self) -> None:
         """A flush of part of what is pending ended (an inference loop reading each batch's
