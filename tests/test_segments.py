@@ -510,3 +510,34 @@ def test_an_exception_in_a_block_handed_to_the_segment_tier_leaves_torch_as_it_w
     assert after == before
     assert deferfuse.get_mode() is deferfuse.EagerMode.STRICT
     assert torch.ones(2).add(1).tolist() == [2.0, 2.0]
+
+
+def _writes_and_in_place_views(steps: int, clock: FakeClock | None = None, deferred_s: float = 1.0,
+                               at_once_s: float = 1.0):
+    """Each step writes a plain tensor in place, changes another's metadata in place (which
+    clears what the recorder remembers of plain tensors) and reads the first."""
+    p, q = torch.zeros(4), torch.zeros(2, 3)
+    seen = []
+    for step in range(steps):
+        p.add_(1.0)
+        q.t_()
+        if clock is not None:
+            clock.now += at_once_s if modes.active_recorder().at_once_segment else deferred_s
+        seen.append(p.sum().item())
+    return seen
+
+
+@pytest.mark.parametrize("deferred_s, at_once_s", [(1.0, 0.1), (0.1, 1.0)], ids=["faster-at-once", "faster-deferred"])
+def test_writes_across_segments_at_once_and_deferred_match_strict(clock, deferred_s, at_once_s):
+    """Segments run at once let go of the storages the recorder held (Recorder.release_states),
+    each entered afresh by the next deferred segment: a plain tensor written in every step,
+    with the remembered tensors cleared in between, reads as strict's."""
+    expected = _writes_and_in_place_views(30)
+    with config.override(eager_segments=True, always_compile=False):
+        deferfuse.set_mode("defer")
+        try:
+            seen = _writes_and_in_place_views(30, clock, deferred_s, at_once_s)
+        finally:
+            deferfuse.set_mode("strict")
+    assert seen == expected
+    assert deferfuse.stats()["blocks_run_at_once"] > 0
