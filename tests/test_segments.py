@@ -533,6 +533,7 @@ def test_writes_across_segments_at_once_and_deferred_match_strict(clock, deferre
     each entered afresh by the next deferred segment: a plain tensor written in every step,
     with the remembered tensors cleared in between, reads as strict's."""
     expected = _writes_and_in_place_views(30)
+    deferfuse.reset_stats()
     with config.override(eager_segments=True, always_compile=False):
         deferfuse.set_mode("defer")
         try:
