@@ -622,8 +622,12 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         live tensors (an optimizer's parameters) stay held, with the reads they cached."""
         if not ORPHANS:
             return
-        orphans = ORPHANS[:]
-        del ORPHANS[:len(orphans)]
+        orphans = []
+        while ORPHANS:   # (pop by pop: another thread's recorder may take some at the same time)
+            try:
+                orphans.append(ORPHANS.pop())
+            except IndexError:
+                break
         states, epoch = self.real_states, self.epoch
         for ref in orphans:
             s = ref()
