@@ -620,7 +620,7 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
         still read their graph inputs (a write to the memory must then keep what those read:
         snapshot_old_leaves); those are looked at again at the next flush.  The storages of
         live tensors (an optimizer's parameters) stay held, with the reads they cached."""
-        if not ORPHANS:
+        if not ORPHANS or not self.active:
             return
         orphans = []
         while ORPHANS:   # (pop by pop: another thread's recorder may take some at the same time)
