@@ -40,7 +40,7 @@ WAYS = ("strict", "defer", "deferred", "warm", "compiled")
 # Quick programs that between them cover the corpus's mechanisms: the test suite runs these
 # (two: each program costs 15-30 s of the suite's time, five processes; tests/test_value_errors.py
 # and tests/test_foreign_memory.py test the mechanisms themselves)
-FAST = ("one_hot_checks", "numpy_view_writes", "eval_numpy_batches")
+FAST = ("one_hot_checks", "numpy_view_writes")
 # Programs whose output differs where deferfuse documents that it does, and why: the runner
 # still runs them every way and reports the difference (tests/test_corpus.py expects it to fail
 # there, not to pass).  A fix makes the program pass and its entry go.
