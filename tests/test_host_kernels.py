@@ -833,6 +833,19 @@ def test_a_served_run_raises_its_error_and_the_next_one_serves_again():
     assert hostkernels.served(lambda: 42) == 42
 
 
+def test_a_served_run_keeps_nothing_of_its_results_once_handed_back():
+    """The thread that drives served programs held a run's results until the next run came:
+    a step's outputs stayed alive after the caller had dropped them."""
+    import weakref
+
+    class Results:
+        pass
+    results = hostkernels.served(Results)
+    ref = weakref.ref(results)
+    del results
+    assert ref() is None
+
+
 def test_programs_run_from_several_threads_at_once_keep_their_results():
     """One thread serves at a time: another thread's program then runs as it is (its kernels
     are handed to the serving thread, or run on its own team), with the same results."""

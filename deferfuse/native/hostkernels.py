@@ -279,6 +279,9 @@ class _Driver:
             except BaseException as exc:  # noqa: BLE001 - handed to the serving thread, raised there
                 box.append((False, exc))
             finally:
+                # (nothing of the job stays on this thread once it is handed back: its results
+                # and inputs would live until the next job came)
+                del run, box
                 end()
 
 
