@@ -634,9 +634,8 @@ class Recorder(FastPathMixin, MutationMixin, AtOnceMixin, CollectiveMixin):
             if s is None or s not in states:
                 continue   # (gone, or another recorder's: let go when that one flushes everything)
             if s.contents is None:
-                s.reads = {}
-                s.leaf = None
-                if not any(leaf() is not None for leaf in s.old_leaves):
+                drop_reads((s,))   # (what it cached; its graph inputs no longer alive are unlisted)
+                if not s.old_leaves:
                     states.discard(s)
                     if s.epoch == epoch:
                         s.epoch = -1
