@@ -65,24 +65,24 @@ def child(model_name: str, calls: int, steps: int) -> dict:
 def _run(way: str, args: argparse.Namespace) -> dict:
     prefix, extra_env = WAYS[way]
     with tempfile.TemporaryDirectory(prefix="deferfuse-default-mode-") as cache:
-        env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache, PYTHONPATH=str(ROOT), **extra_env)
-        env.pop("TORCHTPU_MODE", None)
+        from bench.harness import default_settings_env
+        env = default_settings_env(DEFERFUSE_CACHE_DIR=cache, PYTHONPATH=str(ROOT), **extra_env)
         command = [sys.executable, *prefix, str(Path(__file__).resolve()), "--child", "--model", args.model,
                    "--calls", str(args.calls), "--steps", str(args.steps)]
         out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama")
     parser.add_argument("--calls", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.model, args.calls, args.steps)))
-        return
+        return 0
     results = {way: _run(way, args) for way in WAYS}
     losses = {r["last_loss"] for r in results.values()}
     print(f"{args.model}, size small; fresh process and cold disk cache per way; seconds")
@@ -91,11 +91,12 @@ def main() -> None:
         g, t = r["generate_s"], r["train_s"]
         print(f"{way:22} {g[0]:13.3f} {statistics.median(g[1:]):14.3f} {t[0]:10.3f} {statistics.median(t[-10:]):14.3f}")
     print(f"last printed loss: {', '.join(sorted(losses))} ({'equal' if len(losses) == 1 else 'DIFFERENT'})")
-    out = ROOT / "bench" / "results" / "default_mode.json"
-    out.write_text(json.dumps({"model": args.model, "calls": args.calls, "steps": args.steps,
-                               "results": results}, indent=1))
-    print(f"wrote {out.relative_to(ROOT)}")
+    from bench.harness import RESULTS_DIR, write_json
+    out = write_json(RESULTS_DIR / "default_mode.json", {"model": args.model, "calls": args.calls,
+                                                         "steps": args.steps, "results": results})
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -400,6 +400,19 @@ def _git_commit() -> str | None:
     return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def default_settings_env(**overrides: str) -> dict[str, str]:
+    """The environment for a child process that runs deferfuse at its default settings: this
+    one's, less every ``DEFERFUSE_*`` setting and ``TORCHTPU_MODE``, plus ``overrides``.  A
+    script that says its defer lane runs "every setting at its default" must not inherit the
+    caller's settings: under the test suite (tests/conftest.py turns the tiers off) the MLP of
+    bench.read_cost ran every step deferred, 4.7x strict, where a user's process runs it at
+    once."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("DEFERFUSE_") and key != "TORCHTPU_MODE"}
+    env.update(overrides)
+    return env
+
+
 @contextlib.contextmanager
 def private_executable_cache() -> Iterator[str]:
     """Run with a fresh, empty deferfuse on-disk executable cache, so first-call times mean a

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.harness import RESULTS_DIR, machine_info, write_json
+from bench.harness import RESULTS_DIR, default_settings_env, machine_info, write_json
 from bench.zoo_models import SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,8 +62,7 @@ def run_one(model: str, period: int, steps: int, size: str, mode: str, cache_dir
         command = [sys.executable, *args, "--block", "loop" if mode == "block" else "step"]
     else:
         command = [sys.executable, "-m", "deferfuse", "--mode", "defer", *args]
-    env = dict(os.environ, DEFERFUSE_CACHE_DIR=cache_dir, **(extra_env or {}))
-    env.pop("TORCHTPU_MODE", None)
+    env = default_settings_env(DEFERFUSE_CACHE_DIR=cache_dir, **(extra_env or {}))
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -89,6 +88,7 @@ def summary(reports: list[dict[str, Any]], skip: int = 0) -> dict[str, Any]:
         out["compiles"] = max(s["compiles"] for s in stats)
         out["signatures"] = max(s["cache_misses"] for s in stats)
         out["flushes"] = stats[0]["flushes"]
+        out["runs_at_once"] = stats[0].get("blocks_run_at_once", 0)
     if skip:
         out["after_skip_s"] = med([e[-1] - e[skip - 1] for e in ends])
     return out

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.calls)))
         return 0
-    env = dict(os.environ, DEFERFUSE_CACHE_DIR=tempfile.mkdtemp(prefix="deferfuse-warm-start-"))
+    from bench.harness import default_settings_env
+    env = default_settings_env(DEFERFUSE_CACHE_DIR=tempfile.mkdtemp(prefix="deferfuse-warm-start-"))
     if args.every_call_deferred:
         env["DEFERFUSE_EAGER_BLOCKS"] = "0"
     _run("defer", max(args.calls, FILL_CALLS), env)   # fills the disk cache
