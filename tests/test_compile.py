@@ -12,7 +12,6 @@ import copy
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import torch
 
 import deferfuse
 import deferfuse.compile as dcompile
+from hlo_text import trig_evaluations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -496,26 +496,6 @@ def test_a_compiled_step_with_adamw_in_a_defer_block_trains_as_eager(user_defaul
     assert not deferfuse.stats()["fallbacks"] and not deferfuse.stats()["compiled_fallbacks"]
 
 
-def _largest_fused_output(computation: str) -> int:
-    """The element count of a fused computation's largest result (its header's ``-> ...``)."""
-    header = computation.split("\n", 1)[0]
-    shapes = re.findall(r"\[([\d,]*)\]", header.split("->", 1)[1])
-    return max(math.prod(int(d) for d in s.split(",") if d) for s in shapes)
-
-
-def _trig_evaluations(text: str) -> list[tuple[int, int]]:
-    """(elements of the sine or cosine, elements of the fused computation that evaluates it) for
-    each sine and cosine in an optimized HLO module: XLA evaluates it once per element of the
-    fusion's result."""
-    found = []
-    for computation in re.split(r"\n(?=%fused)", text):
-        if not computation.startswith("%fused"):
-            continue
-        for shape in re.findall(r"= \w+\[([\d,]*)\]\S* (?:cosine|sine)\(", computation):
-            found.append((math.prod(int(d) for d in shape.split(",") if d), _largest_fused_output(computation)))
-    return found
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_a_broadcast_sine_or_cosine_is_computed_once(dtype):
     """XLA counts sine and cosine as cheap and fused RoPE's ``cos(emb)`` ([S, D]) into the
@@ -540,7 +520,7 @@ def test_a_broadcast_sine_or_cosine_is_computed_once(dtype):
         for got, want in zip(fn(q, emb), rope(q, emb)):
             torch.testing.assert_close(got, want, equal_nan=True)
     texts = [c.executable.as_text() for c in executables.snapshot() if hasattr(c.executable, "as_text")]
-    evaluations = [e for t in texts for e in _trig_evaluations(t)]
+    evaluations = [e for t in texts for e in trig_evaluations(t)]
     assert evaluations, "the program evaluates no sine or cosine"
     assert all(fused <= own for own, fused in evaluations), evaluations
 

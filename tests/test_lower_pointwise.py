@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import deferfuse
-from oracle import check, lowered
+from oracle import check, grads, lowered
 
 aten = torch.ops.aten
 NAN, INF = math.nan, math.inf
@@ -295,6 +295,34 @@ def test_a_held_value_keeps_its_bits(dtype):
         got = torch.from_dlpack(jax.jit(_held)(jax.numpy.from_dlpack(x)))
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     assert got.dtype == dtype and torch.equal(got.view(bits), x.view(bits))
+
+
+def test_a_sine_or_cosine_read_through_a_view_is_computed_once():
+    """Defer mode reads every view through deferfuse's ``read_view``; RoPE's
+    ``cos(emb).unsqueeze(1)`` was one, and the mark that makes a broadcast sine or cosine computed
+    once (exec/program.py, ``_TRANSCENDENTAL``) did not pass through it: the deferred Llama step
+    evaluated its angles inside 32 fusions over the queries and keys.  Forward and backward, a
+    slice and an expanding view of the angles too; strict's values and gradients."""
+    from hlo_text import trig_evaluations
+
+    from deferfuse.exec import executables
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 32, 2, 16, generator=g).transpose(1, 2).requires_grad_()
+    emb = torch.randn(1, 32, 16, generator=g) * 10
+
+    def rope(q, emb):
+        cos, sin = (emb.cos() * 0.5).unsqueeze(1), emb.sin().unsqueeze(1)
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        shifted = emb.cos()[:, 1:].expand(4, 2, 31, 16)
+        return (q * cos + rotated * sin)[:, :, 1:] + shifted
+
+    executables.clear()
+    lowered(grads(rope), q, emb, decompositions=True)   # (slice_backward: a decomposition)
+    texts = [c.executable.as_text() for c in executables.snapshot() if hasattr(c.executable, "as_text")]
+    evaluations = [e for t in texts for e in trig_evaluations(t)]
+    assert evaluations, "the program evaluates no sine or cosine"
+    assert all(fused <= own for own, fused in evaluations), evaluations
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)

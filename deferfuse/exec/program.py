@@ -92,15 +92,23 @@ def _unsafe_rewrite(consumer: Any, producer: Optional["Step"]) -> bool:
 # size.  (The other transcendental functions are expensive to XLA, which does not duplicate
 # them so.)
 _TRANSCENDENTAL = frozenset({"cos", "sin", "tan"})
-# ops that only reshape or retype their first operand (a costly operand keeps them costly)
+# ops that only reshape, re-index or retype their first operand: one that reads no more elements
+# than the operand has keeps a costly operand costly (an unsqueeze, a transpose, a slice).  Defer
+# mode's programs read every view of a storage through ``read_view`` (ir/graph.py): RoPE's
+# ``cos(emb).unsqueeze(1)`` was one, it dropped the mark, and the deferred Llama step evaluated
+# its sines and cosines inside 32 fusions over the queries and keys (~13 ms a step).
 _RESHAPING = frozenset({
     "view", "view_copy", "_unsafe_view", "reshape", "unsqueeze", "unsqueeze_copy", "squeeze",
     "squeeze_copy", "clone", "alias", "alias_copy", "_to_copy", "permute", "permute_copy",
-    "transpose", "transpose_copy", "t", "t_copy", "contiguous",
+    "transpose", "transpose_copy", "t", "t_copy", "contiguous", "slice", "slice_copy", "select",
+    "select_copy", "narrow", "expand", "expand_copy",
+    "read_view", "flatten", "cast", "bits",    # (deferfuse's own: ir/graph.py's InternalOps)
 })
 
 
 def _op_name(op: Any) -> str:
+    if isinstance(op, graph.InternalOp):
+        return op.name
     schema = getattr(op, "_schema", None)
     return schema.name.split("::")[-1] if schema is not None else ""
 
@@ -115,10 +123,11 @@ def _is_costly(step: "Step", operands: list[tuple[bool, int]]) -> bool:
     name = _op_name(step.op)
     if name in _TRANSCENDENTAL:
         return True
-    if not operands or (name not in _RESHAPING and not _pointwise(step.op)):
+    reshaping = name in _RESHAPING
+    if not operands or not (reshaping or _pointwise(step.op)):
         return False
     size = step.out_metas[0].numel if step.out_metas else 0
-    return any(c for c, _ in operands) and all(n == size for c, n in operands if c)
+    return any(c for c, _ in operands) and all(n >= size if reshaping else n == size for c, n in operands if c)
 
 
 _BITS = {2: "uint16", 4: "uint32", 8: "uint64"}
@@ -146,9 +155,13 @@ def _value_refs(a: Any):
             yield from _value_refs(x)
 
 
-def _broadcasts(shape: tuple, out_shape: tuple) -> bool:
-    """Whether ``shape`` broadcasts to ``out_shape`` with at least twice as many elements."""
-    return common.broadcastable(shape, out_shape) and math.prod(out_shape) >= 2 * max(math.prod(shape), 1)
+def _spreads(shape: tuple, out_shape: tuple, consumer: Any) -> bool:
+    """Whether a step ``consumer`` with result ``out_shape`` reads an operand of ``shape`` at least
+    twice per element on average: it broadcasts the operand, or it re-indexes it (an expanding
+    view: ``read_view`` gathers a flat storage into any shape)."""
+    if math.prod(out_shape) < 2 * max(math.prod(shape), 1):
+        return False
+    return _op_name(consumer) in _RESHAPING or common.broadcastable(shape, out_shape)
 
 
 class Program:
@@ -179,7 +192,7 @@ class Program:
                     return scalars[a.index]
                 if _unsafe_rewrite(consumer, producers[a.index]):
                     return lax.optimization_barrier(env[a.index])
-                if costly[a.index] and _broadcasts(tuple(env[a.index].shape), out_shape):
+                if costly[a.index] and _spreads(tuple(env[a.index].shape), out_shape, consumer):
                     if a.index not in materialized:
                         materialized[a.index] = _held(env[a.index])
                     return materialized[a.index]
