@@ -66,7 +66,7 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
         forward = m if backend is None else torch.compile(m, backend=backend)
         lanes[name] = (forward, zoo.optimizer_for(m, model), [])
     from deferfuse.native import hostkernels
-    kernels = []    # per timed deferfuse step: (host-kernel seconds, calls served, on threads made for them)
+    kernels = []    # per timed deferfuse step: hostkernels.counters()' differences
     for k in range(steps + 1 + warmup):
         for name, (forward, optimizer, times) in lanes.items():
             before = hostkernels.counters()
@@ -87,7 +87,8 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
             "medians": medians,
             "host_kernels": {"seconds": statistics.median(x[0] for x in kernels),
                              "served": statistics.median(x[1] for x in kernels),
-                             "guest": statistics.median(x[2] for x in kernels)} if kernels else None}
+                             "guest": statistics.median(x[2] for x in kernels),
+                             "hand_over": statistics.median(x[3] - x[0] for x in kernels)} if kernels else None}
 
 
 def rows() -> dict:
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             if kernels:
                 print(f"  deferfuse's step: {kernels['seconds'] * 1e3:.1f} ms in the host kernels, "
                       f"{kernels['served']:.0f} calls served by the thread running the program, "
-                      f"{kernels['guest']:.0f} on threads made for them")
+                      f"{kernels['guest']:.0f} on threads made for them; handing them over and back "
+                      f"{kernels.get('hand_over', 0.0) * 1e3:.1f} ms")
     for r in results:
         for row, m in r.get("rows", {}).items():
             print(f"{row}: strict {m['strict'] * 1e3:.2f} ms, inductor {m['inductor'] * 1e3:.2f} ms "

@@ -10,7 +10,9 @@ of ``--steps``) by wrapping the engine's entry points with timers:
 - ``xla``: XLA runs (``exec/runner.execute_xla`` less the signature build below), DLPack in and
   out included; of which ``kernels``: the time inside the host kernels (torch's products and
   attention called from the programs, ``hostkernels.kernel_seconds()``), with how many calls
-  the thread running the program served and how many ran on a thread made for them;
+  the thread running the program served and how many ran on a thread made for them, and what
+  handing the served ones over and back cost XLA's threads beyond the kernels
+  (``hostkernels.handed_seconds()`` less their time);
 - ``signature``: building the flushed graph's signature and program (``exec/program.build``);
 - ``torch``: groups run on torch's kernels (``exec/replay.execute_eager``: eager replays,
   products under ``--engine torch``);
@@ -67,7 +69,8 @@ class Timers:
         for name in s:
             s[name] = 0.0
         now = hostkernels.counters()
-        parts["kernels"], parts["served_calls"], parts["guest_calls"] = (b - a for a, b in zip(self.kernels, now))
+        parts["kernels"], parts["served_calls"], parts["guest_calls"], parts["handed"] = \
+            (b - a for a, b in zip(self.kernels, now))
         self.kernels = now
         return parts
 
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {part:<10}{split[part]:7.1f} ms")
         if part == "xla":
             print(f"      of which host kernels {split['kernels']:.1f} ms ({split['served_calls']:.0f} calls "
-                  f"served, {split['guest_calls']:.0f} on threads made for them)")
+                  f"served, {split['guest_calls']:.0f} on threads made for them; handing them to "
+                  f"the serving thread and back {split['hand_over']:.1f} ms)")
     return 0
 
 
@@ -157,6 +161,11 @@ def measure(args: argparse.Namespace, timers: Timers) -> dict:
     for part in PARTS:
         split[part] = 1e3 * statistics.median(s[part] for s in splits[steady])
     split["kernels"] = 1e3 * statistics.median(s["kernels"] for s in splits[steady])
+    # (a served call's hand-over: its time on XLA's thread less the kernel's; every call is
+    # served once a program is, so the kernels' time is the served calls')
+    split["hand_over"] = 1e3 * statistics.median(s["handed"] - s["kernels"] for s in splits[steady]
+                                                 if s["served_calls"] and not s["guest_calls"]) \
+        if any(s["served_calls"] and not s["guest_calls"] for s in splits[steady]) else 0.0
     for count in ("served_calls", "guest_calls"):
         split[count] = statistics.median(s[count] for s in splits[steady])
     return split

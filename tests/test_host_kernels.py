@@ -705,6 +705,7 @@ _GUEST_CHILD = textwrap.dedent("""
             runs += 1
     # served runs with the serving thread's team released between kernels, and kept
     releases = hostkernels.team_releases()
+    counted = hostkernels.counters()
     released_same = True
     with config.override(eager_blocks=False):
         for release_us in (0, -1) * 5:
@@ -715,6 +716,7 @@ _GUEST_CHILD = textwrap.dedent("""
     print(json.dumps({"guest": hostkernels.guest_calls(), "served": hostkernels.served_calls(),
                       "runs": runs, "same": same, "released_same": released_same,
                       "releases": hostkernels.team_releases() - releases,
+                      "counted": [b - a for a, b in zip(counted, hostkernels.counters())],
                       "strict_same": torch.equal(x @ w1, product),
                       "num_threads_same": torch.get_num_threads() == num_threads,
                       "close": torch.allclose(first, expected, rtol=1e-4, atol=1e-5),
@@ -804,6 +806,15 @@ def test_a_programs_kernels_run_on_the_thread_that_runs_it():
         unserved = [compiled(x) for _ in range(5)]
     assert hostkernels.served_calls() == served
     assert all(torch.equal(out, outs[0]) for out in unserved)
+
+
+def test_a_served_calls_time_on_xlas_thread_holds_its_kernel_and_its_hand_over(guest_child):
+    """``handed_seconds``: what served calls cost XLA's threads, the kernels' own time
+    (``kernel_seconds``) and handing each to the serving thread and back (bench.engine_time and
+    bench.compile print the difference)."""
+    kernels, served, guests, handed = guest_child["counted"]
+    assert served > 0 and guests == 0
+    assert handed >= kernels > 0
 
 
 def test_a_program_is_served_only_after_xla_called_a_kernel_off_its_thread():

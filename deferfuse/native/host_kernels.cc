@@ -132,6 +132,7 @@ bool PythonThread() {
 std::atomic<int64_t> guest_calls{0};
 std::atomic<int64_t> served_calls{0};
 std::atomic<int64_t> kernel_ns{0};
+std::atomic<int64_t> handed_ns{0};   // (a handed call's whole time on the requesting thread)
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -187,6 +188,7 @@ Server* server = new Server();   // (never destroyed: XLA's threads may call at 
 template <typename Call>
 bool Handed(Call& call, ffi::Error* result) {
   Server& s = *server;
+  const int64_t asked = NowNs();
   std::unique_lock<std::mutex> lock(s.mu);
   if (!s.serving || pthread_equal(s.thread, pthread_self())) return false;
   Request request{[&] { return RunHere(call); }, std::nullopt};
@@ -195,6 +197,7 @@ bool Handed(Call& call, ffi::Error* result) {
   s.answered.wait(lock, [&] { return request.error.has_value(); });
   *result = std::move(*request.error);
   served_calls.fetch_add(1, std::memory_order_relaxed);
+  handed_ns.fetch_add(NowNs() - asked, std::memory_order_relaxed);
   return true;
 }
 
@@ -502,6 +505,7 @@ static const int at_fork = pthread_atfork(nullptr, nullptr, AtForkChild);
 
 // How many calls ran on a thread made for them / on the serving thread; nanoseconds in kernels.
 extern "C" int64_t deferfuse_host_served_calls() { return served_calls.load(std::memory_order_relaxed); }
+extern "C" int64_t deferfuse_host_handed_ns() { return handed_ns.load(std::memory_order_relaxed); }
 extern "C" int64_t deferfuse_host_kernel_ns() { return kernel_ns.load(std::memory_order_relaxed); }
 // How long the serving thread waits for the next kernel before it releases its team, -1 never
 // (config host_kernel_team_release_us).
