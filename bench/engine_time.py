@@ -11,8 +11,8 @@ of ``--steps``) by wrapping the engine's entry points with timers:
   out included; of which ``kernels``: the time inside the host kernels (torch's products and
   attention called from the programs, ``hostkernels.kernel_seconds()``), with how many calls
   the thread running the program served and how many ran on a thread made for them, and what
-  handing the served ones over and back cost XLA's threads beyond the kernels
-  (``hostkernels.handed_seconds()`` less their time);
+  handing the served ones over and back cost (``hostkernels.handover_seconds()``: waking the
+  serving thread and being woken, not waiting while another kernel runs);
 - ``signature``: building the flushed graph's signature and program (``exec/program.build``);
 - ``torch``: groups run on torch's kernels (``exec/replay.execute_eager``: eager replays,
   products under ``--engine torch``);
@@ -69,7 +69,7 @@ class Timers:
         for name in s:
             s[name] = 0.0
         now = hostkernels.counters()
-        parts["kernels"], parts["served_calls"], parts["guest_calls"], parts["handed"] = \
+        parts["kernels"], parts["served_calls"], parts["guest_calls"], parts["hand_over"] = \
             (b - a for a, b in zip(self.kernels, now))
         self.kernels = now
         return parts
@@ -161,11 +161,7 @@ def measure(args: argparse.Namespace, timers: Timers) -> dict:
     for part in PARTS:
         split[part] = 1e3 * statistics.median(s[part] for s in splits[steady])
     split["kernels"] = 1e3 * statistics.median(s["kernels"] for s in splits[steady])
-    # (a served call's hand-over: its time on XLA's thread less the kernel's; every call is
-    # served once a program is, so the kernels' time is the served calls')
-    split["hand_over"] = 1e3 * statistics.median(s["handed"] - s["kernels"] for s in splits[steady]
-                                                 if s["served_calls"] and not s["guest_calls"]) \
-        if any(s["served_calls"] and not s["guest_calls"] for s in splits[steady]) else 0.0
+    split["hand_over"] = 1e3 * statistics.median(s["hand_over"] for s in splits[steady])
     for count in ("served_calls", "guest_calls"):
         split[count] = statistics.median(s[count] for s in splits[steady])
     return split

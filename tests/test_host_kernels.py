@@ -808,13 +808,12 @@ def test_a_programs_kernels_run_on_the_thread_that_runs_it():
     assert all(torch.equal(out, outs[0]) for out in unserved)
 
 
-def test_a_served_calls_time_on_xlas_thread_holds_its_kernel_and_its_hand_over(guest_child):
-    """``handed_seconds``: what served calls cost XLA's threads, the kernels' own time
-    (``kernel_seconds``) and handing each to the serving thread and back (bench.engine_time and
-    bench.compile print the difference)."""
-    kernels, served, guests, handed = guest_child["counted"]
+def test_served_calls_count_their_hand_over_apart_from_their_kernels(guest_child):
+    """``handover_seconds``: what handing served calls to the serving thread and back cost
+    (bench.engine_time and bench.compile print it beside the kernels' own time)."""
+    kernels, served, guests, hand_over = guest_child["counted"]
     assert served > 0 and guests == 0
-    assert handed >= kernels > 0
+    assert kernels > 0 and hand_over > 0
 
 
 def test_a_program_is_served_only_after_xla_called_a_kernel_off_its_thread():

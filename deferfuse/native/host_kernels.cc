@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -132,7 +133,10 @@ bool PythonThread() {
 std::atomic<int64_t> guest_calls{0};
 std::atomic<int64_t> served_calls{0};
 std::atomic<int64_t> kernel_ns{0};
-std::atomic<int64_t> handed_ns{0};   // (a handed call's whole time on the requesting thread)
+// A served call's hand-over: from its request (or the end of the kernel the serving thread was
+// running then, whichever is later) to its kernel's start, plus from its kernel's end to the
+// requesting thread's waking; the time a request waits while another kernel runs is not in it.
+std::atomic<int64_t> handover_ns{0};
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -170,6 +174,8 @@ ffi::Error RunHere(Call& call) {
 struct Request {
   std::function<ffi::Error()> run;
   std::optional<ffi::Error> error;
+  int64_t asked_ns = 0;   // (when it was queued; when its kernel ended, once it has)
+  int64_t ended_ns = 0;
 };
 
 struct Server {
@@ -188,16 +194,15 @@ Server* server = new Server();   // (never destroyed: XLA's threads may call at 
 template <typename Call>
 bool Handed(Call& call, ffi::Error* result) {
   Server& s = *server;
-  const int64_t asked = NowNs();
   std::unique_lock<std::mutex> lock(s.mu);
   if (!s.serving || pthread_equal(s.thread, pthread_self())) return false;
-  Request request{[&] { return RunHere(call); }, std::nullopt};
+  Request request{[&] { return RunHere(call); }, std::nullopt, NowNs(), 0};
   s.queue.push_back(&request);
   s.requested.notify_one();
   s.answered.wait(lock, [&] { return request.error.has_value(); });
   *result = std::move(*request.error);
   served_calls.fetch_add(1, std::memory_order_relaxed);
-  handed_ns.fetch_add(NowNs() - asked, std::memory_order_relaxed);
+  handover_ns.fetch_add(NowNs() - request.ended_ns, std::memory_order_relaxed);
   return true;
 }
 
@@ -465,6 +470,7 @@ extern "C" void deferfuse_host_serve() {
   static const PauseAll pause_all = FindPauseAll();
   std::unique_lock<std::mutex> lock(s.mu);
   bool ran = false;   // (a kernel ran since the team was last released)
+  int64_t last_end = 0;   // (when the last kernel served ended: handover_ns)
   for (;;) {
     const int64_t after_us = release_after_us.load(std::memory_order_relaxed);
     if (ran && pause_all != nullptr && after_us >= 0 &&
@@ -481,8 +487,11 @@ extern "C" void deferfuse_host_serve() {
       Request* request = s.queue.front();
       s.queue.pop_front();
       lock.unlock();
+      handover_ns.fetch_add(NowNs() - std::max(request->asked_ns, last_end), std::memory_order_relaxed);
       ffi::Error result = request->run();
+      last_end = NowNs();
       lock.lock();
+      request->ended_ns = last_end;
       request->error.emplace(std::move(result));
       s.answered.notify_all();
       ran = true;
@@ -505,7 +514,7 @@ static const int at_fork = pthread_atfork(nullptr, nullptr, AtForkChild);
 
 // How many calls ran on a thread made for them / on the serving thread; nanoseconds in kernels.
 extern "C" int64_t deferfuse_host_served_calls() { return served_calls.load(std::memory_order_relaxed); }
-extern "C" int64_t deferfuse_host_handed_ns() { return handed_ns.load(std::memory_order_relaxed); }
+extern "C" int64_t deferfuse_host_handover_ns() { return handover_ns.load(std::memory_order_relaxed); }
 extern "C" int64_t deferfuse_host_kernel_ns() { return kernel_ns.load(std::memory_order_relaxed); }
 // How long the serving thread waits for the next kernel before it releases its team, -1 never
 // (config host_kernel_team_release_us).

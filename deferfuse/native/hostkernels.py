@@ -257,17 +257,18 @@ def kernel_seconds() -> float:
     return _counter("deferfuse_host_kernel_ns") * 1e-9
 
 
-def handed_seconds() -> float:
-    """Seconds XLA's threads have spent in served calls, from handing a kernel to the serving
-    thread to taking its result back: the kernels' own time (``kernel_seconds``) and the
-    hand-over's (waking the serving thread, waiting for it, being woken)."""
-    return _counter("deferfuse_host_handed_ns") * 1e-9
+def handover_seconds() -> float:
+    """Seconds that handing served calls over cost: from a call's request (or the end of the
+    kernel the serving thread was running then) to its kernel's start, and from its kernel's
+    end to the requesting thread's waking.  A request that waits while another kernel runs
+    does not count that wait: the serving thread was busy."""
+    return _counter("deferfuse_host_handover_ns") * 1e-9
 
 
 def counters() -> tuple[float, int, int, float]:
-    """(``kernel_seconds()``, ``served_calls()``, ``guest_calls()``, ``handed_seconds()``) so
+    """(``kernel_seconds()``, ``served_calls()``, ``guest_calls()``, ``handover_seconds()``) so
     far: the benchmarks take their differences around the work they time."""
-    return kernel_seconds(), served_calls(), guest_calls(), handed_seconds()
+    return kernel_seconds(), served_calls(), guest_calls(), handover_seconds()
 
 
 class _Driver:
