@@ -16,6 +16,9 @@ pays (Dynamo's tracing, AOTAutograd, the compiler) and no candidate warms anothe
 - ``deferfuse+defer``: the same compiled model (warm), with AdamW's step in a
   ``with deferfuse.defer():`` block;
 - ``side-by-side``: strict, defer mode, Inductor and deferfuse in one process, steps alternating;
+  with where deferfuse's step goes (its XLA programs' wall time, of which the host kernels and
+  their hand-over; the rest outside them, AdamW's eager step among it) and, from one strict step
+  under torch's profiler, how much of strict's step its products and attention take;
 - ``rows``: bench/workloads.py's memory-bound rows (the GELU chain at 2^20 and 2^24 floats,
   LayerNorm 4096 x 1024) as single functions, strict, Inductor and deferfuse side by side in
   one process (forward only, no grad), the median of 30 calls after 3 that compile.
@@ -49,6 +52,12 @@ CANDIDATES = ("strict", "aot_eager", "inductor", "inductor-warm", "deferfuse-col
 # to trust on a shared machine.
 
 
+# strict's ops whose kernels deferfuse's programs call on the host (lower/host_products.py), with
+# its flash attention: what the side-by-side reports of strict's step under torch's profiler
+STRICT_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
+                  "aten::convolution_backward", "aten::mkldnn_convolution")
+
+
 def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
     import contextlib
     import copy
@@ -65,30 +74,65 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
         m = copy.deepcopy(base)
         forward = m if backend is None else torch.compile(m, backend=backend)
         lanes[name] = (forward, zoo.optimizer_for(m, model), [])
+    from deferfuse.exec import executables
     from deferfuse.native import hostkernels
-    kernels = []    # per timed deferfuse step: hostkernels.counters()' differences
-    for k in range(steps + 1 + warmup):
-        for name, (forward, optimizer, times) in lanes.items():
-            before = hostkernels.counters()
-            started = time.perf_counter()
-            with (deferfuse.defer() if name == "defer" else contextlib.nullcontext()):
-                loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            float(loss)
-            if k > warmup:
-                times.append(time.perf_counter() - started)
-                if name == "deferfuse":
-                    after = hostkernels.counters()
-                    kernels.append([b - a for a, b in zip(before, after)])
+    in_xla = [0.0]    # seconds in deferfuse's XLA program runs (executables.run), kernels included
+    run = executables.run
+
+    def timed_run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            in_xla[0] += time.perf_counter() - started
+    executables.run = timed_run
+    # per timed deferfuse step: hostkernels.counters()' differences, its seconds in XLA runs and
+    # in the optimizer's step (eager in every lane but defer's)
+    kernels = []
+
+    def one_step(name, forward, optimizer) -> float:
+        with (deferfuse.defer() if name == "defer" else contextlib.nullcontext()):
+            loss = forward(**batch).loss if model.kind != "torch" else forward(batch["x"]).float().square().mean()
+            loss.backward()
+            stepped = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
+            stepped = time.perf_counter() - stepped
+        float(loss)
+        return stepped
+
+    try:
+        for k in range(steps + 1 + warmup):
+            for name, (forward, optimizer, times) in lanes.items():
+                before, in_xla[0] = hostkernels.counters(), 0.0
+                started = time.perf_counter()
+                optimizer_s = one_step(name, forward, optimizer)
+                if k > warmup:
+                    times.append(time.perf_counter() - started)
+                    if name == "deferfuse":
+                        after = hostkernels.counters()
+                        kernels.append([b - a for a, b in zip(before, after)] + [in_xla[0], optimizer_s])
+    finally:
+        executables.run = run
+    # strict's products and attention, the part of its step the host kernels run in deferfuse's
+    forward, optimizer, _ = lanes["strict"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        started = time.perf_counter()
+        one_step("strict", forward, optimizer)
+        profiled_s = time.perf_counter() - started
+    kernel_s = sum(e.self_cpu_time_total for e in profiled.key_averages()
+                   if e.key in STRICT_KERNELS or "flash_attention" in e.key) * 1e-6
     medians = {name: statistics.median(times) for name, (_, _, times) in lanes.items()}
+    median = statistics.median
     return {"candidate": "side-by-side", "first_s": float("nan"), "steady_s": medians["strict"],
             "medians": medians,
-            "host_kernels": {"seconds": statistics.median(x[0] for x in kernels),
-                             "served": statistics.median(x[1] for x in kernels),
-                             "guest": statistics.median(x[2] for x in kernels),
-                             "hand_over": statistics.median(x[3] for x in kernels)} if kernels else None}
+            "strict_kernels": {"seconds": kernel_s, "step_s": profiled_s},
+            "host_kernels": {"seconds": median(x[0] for x in kernels),
+                             "served": median(x[1] for x in kernels),
+                             "guest": median(x[2] for x in kernels),
+                             "hand_over": median(x[3] for x in kernels),
+                             "in_xla": median(x[4] for x in kernels),
+                             "optimizer": median(x[5] for x in kernels)} if kernels else None}
 
 
 def rows() -> dict:
@@ -238,6 +282,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{kernels['served']:.0f} calls served by the thread running the program, "
                       f"{kernels['guest']:.0f} on threads made for them; handing them over and back "
                       f"{kernels.get('hand_over', 0.0) * 1e3:.1f} ms")
+                if "in_xla" in kernels:
+                    own = kernels["in_xla"] - kernels["seconds"] - kernels["hand_over"]
+                    print(f"  deferfuse's step in its XLA programs {kernels['in_xla'] * 1e3:.1f} ms (XLA's own work, "
+                          f"the kernels and their hand-over left out: {own * 1e3:.1f} ms), outside them "
+                          f"{(m['deferfuse'] - kernels['in_xla']) * 1e3:.1f} ms (AdamW, eager: "
+                          f"{kernels['optimizer'] * 1e3:.1f} ms; Dynamo, AOTAutograd, the runtime)")
+            strict_kernels = r.get("strict_kernels")
+            if strict_kernels:
+                print(f"  strict's products and attention (one step under torch's profiler): "
+                      f"{strict_kernels['seconds'] * 1e3:.1f} ms of its {strict_kernels['step_s'] * 1e3:.1f} ms")
     for r in results:
         for row, m in r.get("rows", {}).items():
             print(f"{row}: strict {m['strict'] * 1e3:.2f} ms, inductor {m['inductor'] * 1e3:.2f} ms "

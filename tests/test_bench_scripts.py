@@ -229,3 +229,17 @@ def test_default_mode_runs_generate_and_a_loop_three_ways_with_one_printed_loss(
     found = json.loads((tmp_path / "default_mode.json").read_text())
     assert set(found["results"]) == set(default_mode.WAYS)
     assert "(equal)" in capsys.readouterr().out
+
+
+@pytest.mark.slow   # (Inductor compiles the tiny Llama's step: ~40 s)
+def test_compile_side_by_side_splits_deferfuses_step_and_stricts(capsys):
+    """bench.compile's side-by-side lane: beside the four lanes' times, where deferfuse's step
+    goes (its XLA programs, the host kernels in them and their hand-over, the rest outside) and
+    how much of strict's step its products and attention take."""
+    from bench import compile as bench_compile
+    assert bench_compile.main(["--model", "llama", "--size", "tiny", "--only", "side-by-side",
+                               "--steps", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "side by side, one process, alternating steps: strict" in out
+    assert "deferfuse's step in its XLA programs" in out and "AdamW, eager" in out
+    assert "strict's products and attention (one step under torch's profiler)" in out
