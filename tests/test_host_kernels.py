@@ -708,11 +708,16 @@ _GUEST_CHILD = textwrap.dedent("""
     counted = hostkernels.counters()
     released_same = True
     with config.override(eager_blocks=False):
-        for release_us in (0, -1) * 5:
-            with config.override(host_kernel_team_release_us=release_us):
+        # (how often a run releases depends on where its kernels fall against XLA's fusions: 30
+        # runs at 0 us made 19 to 42 releases, but five runs made none in some processes, which
+        # failed this test; the runs go on, alternating, until one has released, 60 at most)
+        for k in range(60):
+            with config.override(host_kernel_team_release_us=(0, -1)[k % 2]):
                 with deferfuse.defer():
                     out = block()
                 released_same = released_same and torch.equal(out, first)
+            if k >= 9 and hostkernels.team_releases() > releases:
+                break
     print(json.dumps({"guest": hostkernels.guest_calls(), "served": hostkernels.served_calls(),
                       "runs": runs, "same": same, "released_same": released_same,
                       "releases": hostkernels.team_releases() - releases,
