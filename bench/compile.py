@@ -74,18 +74,11 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
         m = copy.deepcopy(base)
         forward = m if backend is None else torch.compile(m, backend=backend)
         lanes[name] = (forward, zoo.optimizer_for(m, model), [])
+    from bench.engine_time import Timers
     from deferfuse.exec import executables
     from deferfuse.native import hostkernels
-    in_xla = [0.0]    # seconds in deferfuse's XLA program runs (executables.run), kernels included
-    run = executables.run
-
-    def timed_run(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            in_xla[0] += time.perf_counter() - started
-    executables.run = timed_run
+    timers = Timers()    # (its "execute_xla": seconds in deferfuse's XLA program runs, kernels included)
+    timers.wrap(executables, "run", "execute_xla")
     # per timed deferfuse step: hostkernels.counters()' differences, its seconds in XLA runs and
     # in the optimizer's step (eager in every lane but defer's)
     kernels = []
@@ -104,16 +97,17 @@ def side_by_side(model_name: str, size: str, steps: int, warmup: int) -> dict:
     try:
         for k in range(steps + 1 + warmup):
             for name, (forward, optimizer, times) in lanes.items():
-                before, in_xla[0] = hostkernels.counters(), 0.0
+                before, timers.spent["execute_xla"] = hostkernels.counters(), 0.0
                 started = time.perf_counter()
                 optimizer_s = one_step(name, forward, optimizer)
                 if k > warmup:
                     times.append(time.perf_counter() - started)
                     if name == "deferfuse":
                         after = hostkernels.counters()
-                        kernels.append([b - a for a, b in zip(before, after)] + [in_xla[0], optimizer_s])
+                        kernels.append([b - a for a, b in zip(before, after)] + [timers.spent["execute_xla"], optimizer_s])
     finally:
-        executables.run = run
+        for module, attribute, original in timers.originals:
+            setattr(module, attribute, original)
     # strict's products and attention, the part of its step the host kernels run in deferfuse's
     forward, optimizer, _ = lanes["strict"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
