@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from corpus.run import default_settings_env  # noqa: F401 - (re-exported: bench scripts' children)
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REFERENCE = "strict"
 
@@ -398,19 +400,6 @@ def _git_commit() -> str | None:
     if commit.returncode != 0:
         return None
     return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-def default_settings_env(**overrides: str) -> dict[str, str]:
-    """The environment for a child process that runs deferfuse at its default settings: this
-    one's, less every ``DEFERFUSE_*`` setting and ``TORCHTPU_MODE``, plus ``overrides``.  A
-    script that says its defer lane runs "every setting at its default" must not inherit the
-    caller's settings: under the test suite (tests/conftest.py turns the tiers off) the MLP of
-    bench.read_cost ran every step deferred, 4.7x strict, where a user's process runs it at
-    once."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("DEFERFUSE_") and key != "TORCHTPU_MODE"}
-    env.update(overrides)
-    return env
 
 
 @contextlib.contextmanager

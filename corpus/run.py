@@ -69,9 +69,20 @@ def programs(names: Optional[list[str]] = None) -> list[Path]:
     return found
 
 
+def default_settings_env(**overrides: str) -> dict[str, str]:
+    """The environment for a child process that runs deferfuse at its default settings: this
+    one's, less every ``DEFERFUSE_*`` setting and ``TORCHTPU_MODE``, plus ``overrides``.  A child
+    that stands for a user's run must not inherit the caller's settings: under the test suite
+    (tests/conftest.py turns the tiers off) bench.read_cost's MLP ran every step deferred, 4.7x
+    strict, where a user's process runs it at once.  (bench.harness re-exports it.)"""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("DEFERFUSE_") and key != "TORCHTPU_MODE"}
+    env.update(overrides)
+    return env
+
+
 def _command(program: Path, way: str, cache: str) -> tuple[list[str], dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEFERFUSE_") and k != "TORCHTPU_MODE"}
-    env["DEFERFUSE_CACHE_DIR"] = cache
+    env = default_settings_env(DEFERFUSE_CACHE_DIR=cache)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     if way == "strict":
         return [sys.executable, str(program)], env

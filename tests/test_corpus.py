@@ -39,8 +39,7 @@ def test_a_client_program_in_defer_blocks_prints_what_strict_prints(name, args, 
     import subprocess
     import sys
     program = corpus.HERE / f"{name}.py"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEFERFUSE_") and k != "TORCHTPU_MODE"}
-    env["DEFERFUSE_CACHE_DIR"] = str(tmp_path)
+    env = corpus.default_settings_env(DEFERFUSE_CACHE_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(corpus.ROOT), env.get("PYTHONPATH", "")]))
     plain = [a for a in args if a not in ("--block", "step")]
 
