@@ -420,6 +420,37 @@ def test_specializations_are_bounded_with_one_warning(caplog):
     assert deferfuse.stats()["compiled_specializations"] == 5
 
 
+def test_a_call_unlike_the_last_finds_its_own_plan():
+    """A graph checks each call's inputs against its last call's (runtime._LastSpec) before
+    keying them: a call whose inputs differ from the last in strides, dtype, size or
+    requires_grad runs its own plan, with strict's results and strides."""
+    f = compiled(lambda x: x * 2 + 1, dynamic=True)
+    base = torch.randn(6, 6)
+    grad = base.clone().requires_grad_()
+    for x in (base, base.t(), base, base.double(), base.t(), torch.randn(4, 6), base,
+              base.t().double(), grad, base, grad):
+        out, want = f(x), x * 2 + 1
+        assert (out.dtype, out.shape, out.stride()) == (want.dtype, want.shape, want.stride())
+        torch.testing.assert_close(out, want, **TOL)
+    assert max(len(g.plans) for g in dcompile.compiled_graphs()) >= 2
+
+
+def test_a_runtime_check_raises_on_any_call_of_a_compiled_graph():
+    """A program with runtime checks returns its flags after its results: the first call and
+    the later ones (whose results are made by handlers built at the first: entryformat's
+    LoadedProgram) raise the same error at an index out of range, and go on afterwards."""
+    f = compiled(lambda x, i: (x * 3)[i] + 1)
+    x = torch.randn(5)
+    for i in ([0, 4], [1, 2], [3, 3]):
+        i = torch.tensor(i)
+        torch.testing.assert_close(f(x, i), (x * 3)[i] + 1, **TOL)
+    for _ in range(2):
+        with pytest.raises(IndexError):
+            f(x, torch.tensor([0, 7]))
+    i = torch.tensor([4, 0])
+    torch.testing.assert_close(f(x, i), (x * 3)[i] + 1, **TOL)
+
+
 def test_a_partition_whose_lowering_fails_runs_on_torch(monkeypatch):
     from deferfuse.lower import table
 

@@ -178,20 +178,45 @@ def _vector_put(shape: tuple[int, ...]) -> Optional[Callable[[np.ndarray], Any]]
 class LoadedProgram:
     """An executable loaded from disk, called as a JAX ``Compiled`` of its program is:
     ``(inputs, scalars) -> (results, failed, details)``, ``failed`` and ``details`` None when
-    the program has no runtime checks."""
+    the program has no runtime checks.
 
-    __slots__ = ("executable", "n_inputs", "n_results", "checked", "n_outputs")
+    XLA's ``execute`` makes each result's array through a Python callback for its sharding
+    (~3 us a result, more with cold caches: a decoding step's 13 results cost ~40 us a token
+    inside generate()); after the first call, the results are made by handlers built once
+    from the first call's (``_handlers``), as ``jax.jit``'s own dispatch makes them."""
+
+    __slots__ = ("executable", "n_inputs", "n_results", "checked", "n_outputs", "handlers")
 
     def __init__(self, executable: Any, n_inputs: int, n_results: int, checked: bool) -> None:
         self.executable = executable
         self.n_inputs, self.n_results, self.checked = n_inputs, n_results, checked
         self.n_outputs = n_results + (2 if checked else 0)
+        self.handlers: Optional[list] = None   # [] where they cannot be built: execute()
 
     def __call__(self, inputs: Sequence[Any], scalars: np.ndarray) -> tuple[list, Optional[Any], Optional[Any]]:
         if len(inputs) != self.n_inputs:
             raise ValueError(f"this executable takes {self.n_inputs} inputs, not {len(inputs)}")
         vector = scalars if isinstance(scalars, jax.Array) else _device_vector(np.asarray(scalars, dtype=np.float64))
-        outputs = self.executable.execute([*inputs, vector])
+        handlers = self.handlers
+        if handlers:
+            outputs = self.executable.execute_sharded([*inputs, vector]).consume_with_handlers(handlers)
+        else:
+            outputs = self.executable.execute([*inputs, vector])
+            if handlers is None:
+                self.handlers = _handlers(outputs)
         if not self.checked:
             return outputs, None, None
         return outputs[:self.n_results], outputs[-2], outputs[-1]
+
+
+def _handlers(outputs: list) -> list:
+    """Handlers that make arrays like ``outputs`` (their shapes, dtypes and shardings) from an
+    execution's buffers, or [] with a JAX whose internals differ (``execute`` then serves)."""
+    if not outputs:
+        return []
+    try:
+        from jax._src.interpreters import pxla
+        return list(pxla.global_avals_to_results_handler(
+            [o.aval for o in outputs], [o.sharding for o in outputs], True).handlers)
+    except Exception:  # noqa: BLE001 - any difference in JAX's internals: the public path
+        return []
