@@ -11,7 +11,8 @@ that work counts; ``bench.generate``'s ``forward ms`` and ``in XLA ms`` columns 
 time, where the machine's noise is as large as the effect.
 
 This script measures it alone.  It catches the inputs of one decoding call (its small tensors,
-the counters that the call writes back, are restored before each call), then calls the graph
+the token, its position, the mask and the counters that the call writes back, are new tensors
+at each call, as in generate()), then calls the graph
 ``--calls`` times and reports the calling thread's CPU time per call (``time.thread_time``:
 another process taking the core does not count):
 
@@ -32,8 +33,10 @@ import time
 from typing import Any, Callable
 
 
-def _capture(model: Any, prompt: Any) -> tuple[Any, list]:
-    """(the decoding step's CompiledGraph, a copy of one of its calls' inputs)."""
+def _capture(model: Any, prompt: Any) -> tuple[Any, list, set]:
+    """(the decoding step's CompiledGraph, a copy of one of its calls' inputs, the positions
+    of the inputs that generate() passes as new tensors at each call: the token, its position,
+    the mask)."""
     import torch
     from bench.generate import _generate
     from deferfuse.compile import runtime
@@ -45,8 +48,13 @@ def _capture(model: Any, prompt: Any) -> tuple[Any, list]:
                        if p.compiled is not None)
         if decoding and "graph" not in caught:
             caught["graph"] = self
+            caught["ids"] = [id(a) for a in args]
             caught["args"] = [a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
                               and a.numel() < 100 else a for a in args]
+            caught["live"] = list(args)   # (held until the next call: the ids stay theirs)
+        elif self is caught.get("graph") and "new" not in caught:
+            caught["new"] = {i for i, a in enumerate(args) if id(a) != caught["ids"][i]}
+            del caught["live"]
         return call(self, args)
     runtime.CompiledGraph.__call__ = catching
     try:
@@ -54,21 +62,27 @@ def _capture(model: Any, prompt: Any) -> tuple[Any, list]:
             _generate(model, prompt, 8, cache_implementation="static")
     finally:
         runtime.CompiledGraph.__call__ = call
-    if "graph" not in caught:
-        raise RuntimeError("no decoding call was seen")
-    return caught["graph"], caught["args"]
+    if "new" not in caught:
+        raise RuntimeError("no two decoding calls were seen")
+    return caught["graph"], caught["args"], caught["new"]
 
 
-def _cpu_per_call(graph: Any, args: list, calls: int) -> list[float]:
+def _cpu_per_call(graph: Any, args: list, new: set, calls: int) -> list[float]:
+    """The calling thread's CPU time of each call.  The inputs that generate() makes anew for
+    each token (``new``) are new tensors at each call here too, cloned before the clock
+    starts; the others are the same tensors at every call, the small ones (the counters the
+    step writes back) restored before it."""
     import torch
-    small = [(a, a.clone()) for a in args if isinstance(a, torch.Tensor) and a.numel() < 100]
+    small = [(a, a.clone()) for i, a in enumerate(args)
+             if i not in new and isinstance(a, torch.Tensor) and a.numel() < 100]
     samples = []
     with torch.no_grad():
         for _ in range(calls):
-            for a, saved in small:   # (the step writes its counters back: each call sees the same)
+            for a, saved in small:
                 a.copy_(saved)
+            call = [a.clone() if i in new else a for i, a in enumerate(args)]
             started = time.thread_time()
-            graph(list(args))
+            graph(call)
             samples.append(time.thread_time() - started)
     return samples
 
@@ -96,16 +110,16 @@ def bench_model(name: str, size: str, calls: int, rounds: int) -> dict[str, Any]
     model = copy.deepcopy(spec.make(size).eval())
     prompt = spec.prompt(size, torch.Generator().manual_seed(0))
     model.forward = torch.compile(model.forward, backend="deferfuse")
-    graph, args = _capture(model, prompt)
+    graph, args, new = _capture(model, prompt)
     lanes: dict[str, list[float]] = {"with XLA": [], "runtime alone": []}
     for _ in range(rounds):
-        lanes["with XLA"].append(statistics.median(_cpu_per_call(graph, args, calls)))
+        lanes["with XLA"].append(statistics.median(_cpu_per_call(graph, args, new, calls)))
         undo = _without_xla()
         try:
-            lanes["runtime alone"].append(statistics.median(_cpu_per_call(graph, args, calls)))
+            lanes["runtime alone"].append(statistics.median(_cpu_per_call(graph, args, new, calls)))
         finally:
             undo()
-    return {"model": name, "size": size, "calls": calls, "inputs": len(args),
+    return {"model": name, "size": size, "calls": calls, "inputs": len(args), "new_each_call": len(new),
             "median_us": {k: statistics.median(v) * 1e6 for k, v in lanes.items()},
             "min_us": {k: min(v) * 1e6 for k, v in lanes.items()},
             "rounds_us": {k: [x * 1e6 for x in v] for k, v in lanes.items()}}
@@ -122,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [bench_model(name, args.size, args.calls, args.rounds) for name in args.models.split(",")]
     print(f"a decoding step's compiled graph, CPU time of the calling thread per call, "
           f"median of {args.rounds} rounds x {args.calls} calls (min of the rounds' medians)")
-    print(f"{'model':<8}{'inputs':>7}{'with XLA us':>22}{'runtime alone us':>22}")
+    print(f"{'model':<8}{'inputs':>7}{'new each call':>15}{'with XLA us':>22}{'runtime alone us':>22}")
     for row in rows:
         cells = "".join(f"{row['median_us'][k]:>13.0f} ({row['min_us'][k]:.0f})" for k in ("with XLA", "runtime alone"))
-        print(f"{row['model']:<8}{row['inputs']:>7}{cells}")
+        print(f"{row['model']:<8}{row['inputs']:>7}{row['new_each_call']:>15}{cells}")
     harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = harness.write_json(harness.RESULTS_DIR / "call_overhead.json",
                               {"machine": harness.machine_info(), "rows": rows})

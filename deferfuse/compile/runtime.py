@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -220,8 +221,41 @@ def _schedule(plan: Plan) -> tuple[list, list]:
 
 def _forgetting(memo: list, i: int):
     def forget(_ref: Any) -> None:
-        memo[i] = (None, 0, None)
+        memo[i] = _GONE   # (the slot held a tensor that died: its next one is a new tensor)
     return forget
+
+
+_NEVER = (None, 0, None)    # a graph input's memo before its first call
+_GONE = (None, -1, None)    # after the tensor it held died
+STAGED_BYTES = 1 << 16      # the largest input copied into a staging buffer (_Staged)
+
+
+class _Staged:
+    """A small graph input that is a new tensor at every call (a decoding step's token, its
+    position, its mask), copied into a buffer of its own whose JAX view was made once: a
+    DLPack import and the release of the last call's view cost ~14 us a tensor (~40 us of
+    a decoding call's ~100 in a loop, more inside generate()), the copy ~1.  The buffer is
+    this thread's: another thread calling the graph imports as before (``take`` is None)."""
+
+    __slots__ = ("buffer", "array", "thread")
+
+    def __init__(self, buffer: torch.Tensor, array: Any) -> None:
+        self.buffer, self.array, self.thread = buffer, array, threading.get_ident()
+
+    @staticmethod
+    def make(v: torch.Tensor) -> "Optional[_Staged]":
+        if v.requires_grad or v.is_conj() or v.is_neg() or v.numel() * v.element_size() > STAGED_BYTES:
+            return None
+        buffer = torch.empty(v.shape, dtype=v.dtype)
+        array = interop.to_jax(buffer)
+        return _Staged(buffer, array) if interop.is_view(array, buffer) else None
+
+    def take(self, v: torch.Tensor) -> Any:
+        """The view of ``v``'s values (the plan fixed its shape and dtype), or None."""
+        if v.requires_grad or threading.get_ident() != self.thread:
+            return None
+        self.buffer.copy_(v)
+        return self.array
 
 
 def _modes_active() -> bool:
@@ -297,10 +331,11 @@ class _Run:
         """``p``'s inputs as JAX arrays.  A graph input that is the same tensor at the same
         address as at the last call reuses that call's view without looking at its shape and
         strides: the plan was found by them (``spec_key``).  A decoding step reads ~55 inputs
-        whose memory is cold after the model's Python ran, and each check touches it."""
+        whose memory is cold after the model's Python ran, and each check touches it.  A small
+        input that is a new tensor at each call is copied into a staging buffer (``_Staged``)."""
         memo = p.imports
         if memo is None:
-            memo = p.imports = [(None, 0, None) if s in self.graph_inputs else None for s in p.inputs]
+            memo = p.imports = [_NEVER if s in self.graph_inputs else None for s in p.inputs]
         env = self.env
         out = []
         for i, slot in enumerate(p.inputs):
@@ -309,14 +344,27 @@ class _Run:
             if known is None or not isinstance(v, torch.Tensor):
                 out.append(interop.to_jax(v) if isinstance(v, torch.Tensor) else v)
                 continue
+            if type(known) is _Staged:
+                array = known.take(v)
+                if array is not None:
+                    out.append(array)
+                    continue
+                out.append(interop.to_jax(v))
+                continue
             ref, pointer, array = known
             if ref is not None and ref() is v and interop.data_ptr(v) == pointer:
                 out.append(array)
                 continue
+            if known is _GONE or (ref is not None and ref() is not v):   # (a new tensor: it changes each call)
+                staged = _Staged.make(v)
+                if staged is not None:
+                    memo[i] = staged
+                    out.append(staged.take(v))
+                    continue
             array = interop.to_jax(v)
             # (the view holds the tensor's memory: the entry goes when the tensor does)
             memo[i] = (weakref.ref(v, _forgetting(memo, i)), interop.data_ptr(v), array) \
-                if interop.is_view(array, v) else (None, 0, None)
+                if interop.is_view(array, v) else _GONE
             out.append(array)
         return out
 
