@@ -235,7 +235,8 @@ class _Staged:
     position, its mask), copied into a buffer of its own whose JAX view was made once: a
     DLPack import and the release of the last call's view cost ~14 us a tensor (~40 us of
     a decoding call's ~100 in a loop, more inside generate()), the copy ~1.  The buffer is
-    this thread's: another thread calling the graph imports as before (``take`` is None)."""
+    this thread's: another thread calling the graph imports as before (``take`` is None).
+    CPU tensors only."""
 
     __slots__ = ("buffer", "array", "thread")
 
@@ -244,8 +245,9 @@ class _Staged:
 
     @staticmethod
     def make(v: torch.Tensor) -> "Optional[_Staged]":
-        if v.requires_grad or v.is_conj() or v.is_neg() or v.numel() * v.element_size() > STAGED_BYTES:
-            return None
+        if v.device.type != "cpu" or v.requires_grad or v.is_conj() or v.is_neg() \
+                or v.numel() * v.element_size() > STAGED_BYTES:
+            return None   # (on an accelerator, torch's copy and XLA's read would be on two streams)
         buffer = torch.empty(v.shape, dtype=v.dtype)
         array = interop.to_jax(buffer)
         return _Staged(buffer, array) if interop.is_view(array, buffer) else None
