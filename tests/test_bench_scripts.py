@@ -243,3 +243,15 @@ def test_compile_side_by_side_splits_deferfuses_step_and_stricts(capsys):
     assert "side by side, one process, alternating steps: strict" in out
     assert "deferfuse's step in its XLA programs" in out and "AdamW, eager" in out
     assert "strict's products and attention (one step under torch's profiler)" in out
+
+
+@pytest.mark.slow
+def test_call_overhead_times_a_decoding_call_with_the_inputs_generate_renews(tmp_path, monkeypatch, capsys):
+    from bench import call_overhead, harness
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    assert call_overhead.main(["--models", "gpt2", "--size", "tiny", "--calls", "20", "--rounds", "1"]) == 0
+    (row,) = json.loads((tmp_path / "call_overhead.json").read_text())["rows"]
+    # (the token, its position and the mask are new at each call of generate()'s decoding step)
+    assert 1 <= row["new_each_call"] < row["inputs"]
+    assert set(row["median_us"]) == {"with XLA", "runtime alone"}
+    assert "runtime alone" in capsys.readouterr().out

@@ -220,13 +220,18 @@ def _schedule(plan: Plan) -> tuple[list, list]:
 
 
 def _forgetting(memo: list, i: int):
-    def forget(_ref: Any) -> None:
-        memo[i] = _GONE   # (the slot held a tensor that died: its next one is a new tensor)
+    def forget(ref: Any) -> None:
+        entry = memo[i]
+        if type(entry) is tuple and entry[0] is ref:   # (not an entry made since for another tensor)
+            memo[i] = _GONE if entry[3] else _GONE_ONCE
     return forget
 
 
-_NEVER = (None, 0, None)    # a graph input's memo before its first call
-_GONE = (None, -1, None)    # after the tensor it held died
+# A graph input's memo (``_Run._imported``): (weak reference to the tensor, its data pointer, its
+# JAX view, whether a later call reused the view), or a _Staged
+_NEVER = (None, 0, None, True)        # before the input's first call
+_GONE = (None, -1, None, True)        # the tensor it held died, after its view served two calls or more
+_GONE_ONCE = (None, -1, None, False)  # the tensor it held died after one call
 STAGED_BYTES = 1 << 16      # the largest input copied into a staging buffer (_Staged)
 
 
@@ -334,7 +339,9 @@ class _Run:
         address as at the last call reuses that call's view without looking at its shape and
         strides: the plan was found by them (``spec_key``).  A decoding step reads ~55 inputs
         whose memory is cold after the model's Python ran, and each check touches it.  A small
-        input that is a new tensor at each call is copied into a staging buffer (``_Staged``)."""
+        input that is a new tensor at each call (one whose last tensor served one call) is
+        copied into a staging buffer (``_Staged``); one renewed less often (a KV cache, new at
+        each generate()) is imported when it is new."""
         memo = p.imports
         if memo is None:
             memo = p.imports = [_NEVER if s in self.graph_inputs else None for s in p.inputs]
@@ -353,11 +360,14 @@ class _Run:
                     continue
                 out.append(interop.to_jax(v))
                 continue
-            ref, pointer, array = known
+            ref, pointer, array, reused = known
             if ref is not None and ref() is v and interop.data_ptr(v) == pointer:
+                if not reused:
+                    memo[i] = (ref, pointer, array, True)
                 out.append(array)
                 continue
-            if known is _GONE or (ref is not None and ref() is not v):   # (a new tensor: it changes each call)
+            if known is _GONE_ONCE or (ref is not None and not reused and ref() is not v):
+                # (a new tensor where the last one served one call: it is new at each call)
                 staged = _Staged.make(v)
                 if staged is not None:
                     memo[i] = staged
@@ -365,7 +375,7 @@ class _Run:
                     continue
             array = interop.to_jax(v)
             # (the view holds the tensor's memory: the entry goes when the tensor does)
-            memo[i] = (weakref.ref(v, _forgetting(memo, i)), interop.data_ptr(v), array) \
+            memo[i] = (weakref.ref(v, _forgetting(memo, i)), interop.data_ptr(v), array, False) \
                 if interop.is_view(array, v) else _GONE
             out.append(array)
         return out
