@@ -189,6 +189,7 @@ class Plan:
     where: dict               # node name -> "xla" / "torch" / "host" / "alias"
     reasons: list             # (op name, why it runs on torch)
     schedule: Any = None      # (steps, write-backs) as a call runs them (compile/runtime.py)
+    spec: Any = None          # the check that sees a call of this plan (compile/runtime._LastSpec)
 
 
 # -- the plan ------------------------------------------------------------------------------------

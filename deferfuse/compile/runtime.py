@@ -169,12 +169,14 @@ class CompiledGraph:
         found = self.plans.get(key)
         if found is not None:
             self.plans.move_to_end(key)
-            self.last = _LastSpec.of(inputs, found)
+            if found.spec is None or not found.spec.matches(inputs):
+                found.spec = _LastSpec.of(inputs, found)   # (made once per plan, unless its calls differ in requires_grad)
+            self.last = found.spec
             return found
         made = plan_.make_plan(self.gm, self._values(inputs), self.code, key)
         STATS.compiled_specializations += 1
         self.plans[key] = made
-        self.last = _LastSpec.of(inputs, made)
+        self.last = made.spec = _LastSpec.of(inputs, made)
         limit = config.get("compile_max_specializations")
         while limit > 0 and len(self.plans) > limit:
             self.plans.popitem(last=False)
