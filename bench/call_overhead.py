@@ -10,9 +10,9 @@ cache's update back into its tensors.  A token's XLA program takes under a milli
 that work counts; ``bench.generate``'s ``forward ms`` and ``in XLA ms`` columns show it in wall
 time, where the machine's noise is as large as the effect.
 
-This script measures it alone.  It catches the inputs of one decoding call (its small tensors,
-the token, its position, the mask and the counters that the call writes back, are new tensors
-at each call, as in generate()), then calls the graph
+This script measures it alone.  It catches the inputs of one decoding call (those generate()
+makes anew for each token, the token, its position and the mask, are new tensors at each call
+here too; the counters the call writes back are restored before it), then calls the graph
 ``--calls`` times and reports the calling thread's CPU time per call (``time.thread_time``:
 another process taking the core does not count):
 

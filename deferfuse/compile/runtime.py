@@ -357,10 +357,7 @@ class _Run:
                 continue
             if type(known) is _Staged:
                 array = known.take(v)
-                if array is not None:
-                    out.append(array)
-                    continue
-                out.append(interop.to_jax(v))
+                out.append(interop.to_jax(v) if array is None else array)
                 continue
             ref, pointer, array, reused = known
             if ref is not None and ref() is v and interop.data_ptr(v) == pointer:
