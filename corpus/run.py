@@ -37,10 +37,10 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WAYS = ("strict", "defer", "deferred", "warm", "compiled")
-# Quick programs that between them cover the corpus's mechanisms: the test suite runs these
-# (two: each program costs 15-30 s of the suite's time, five processes; tests/test_value_errors.py
-# and tests/test_foreign_memory.py test the mechanisms themselves)
-FAST = ("one_hot_checks", "numpy_view_writes")
+# The quick program ``make test`` runs every way (each program costs 15-30 s of the suite's time,
+# five processes; ``make test-slow`` runs the rest, numpy_view_writes among them;
+# tests/test_value_errors.py and tests/test_foreign_memory.py test the mechanisms themselves)
+FAST = ("one_hot_checks",)
 # Programs whose output differs where deferfuse documents that it does, and why: the runner
 # still runs them every way and reports the difference (tests/test_corpus.py expects it to fail
 # there, not to pass).  A fix makes the program pass and its entry go.
