@@ -124,6 +124,15 @@ def test_unary(input_name):
     lowered_each({getattr(f, "__name__", "ndtri"): f for f in NARROW_DOMAIN_UNARY}, narrow, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_round_to_decimals_gives_stricts_bits(dtype):
+    # (XLA rewrote the division by 10^d as a product with its rounded reciprocal: 2.675 rounded
+    # to 2 decimals was 2.6799998 where torch's quotient is 2.6800001; found by a client program)
+    x = torch.tensor([2.675, 0.285, 1.115, -2.675, 1.005, 0.125, 3.14159, -12.345, 1234.5, 0.0, -0.0,
+                      1e-3, 7.77e4, NAN, INF, -INF], dtype=dtype)
+    lowered(lambda x: tuple(x.round(decimals=d) for d in (1, 2, 3, 4, -1, -2)), x, exact=True)
+
+
 def test_unary_special_cases():
     lowered(lambda x: (x.round(), x.round(decimals=2), x.round(decimals=-1), x.round(decimals=0), x.sign(),
                        x.exp2(), torch.nan_to_num(x, nan=1.5, posinf=2.0, neginf=-3.0)),

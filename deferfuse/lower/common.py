@@ -28,8 +28,57 @@ from .registry import LoweringContext, replay_on_cpu
 from .._lazy import lazy_import
 
 jnp = lazy_import("jax.numpy", globals(), "jnp")
+lax = lazy_import("jax.lax", globals(), "lax")
 
 _REDUCED_FLOATS = _dtypes.HALF_TYPES
+
+
+def exact_div(a, b):
+    """a / b, rounded once, as torch divides, where ``b`` is a scalar computed from constants.
+    XLA's algebraic simplifier turns a division by a constant into a multiplication by its
+    (rounded) reciprocal, an ulp off torch's quotient; the barrier keeps the divisor opaque
+    while it runs.  Not for an array divided by a broadcast constant, which XLA rewrites after
+    the barrier is gone: ``divided_by_constant``."""
+    return a / lax.optimization_barrier(b)
+
+
+# Veltkamp's splitter for float64: 2^27 + 1
+_SPLITTER = 134217729.0
+
+
+def _split(a):
+    c = _SPLITTER * a
+    high = c - (c - a)
+    return high, a - high
+
+
+def _two_product(a, b):
+    """(p, e) with p = fl(a * b) and p + e = a * b exactly (Dekker), for finite a * b."""
+    p = a * b
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def divided_by_constant(a, divisor: float):
+    """``a / divisor`` rounded once, as torch's kernel divides, for a float32 or float64 array
+    and a positive constant.  XLA computes ``x / c`` as ``x * (1 / c)`` (its simplifier, even
+    past an optimization barrier once the array is broadcast), an ulp off: ``round(2.675,
+    decimals=2)`` in float32 gave 268 * 0.01f = 2.6799998 where torch's 268 / 100 is 2.6800001.
+    So the quotient is the product with the reciprocal, corrected by its exact remainder (the
+    product's rounding error by Dekker's two-product, no division left for XLA to rewrite), in
+    float64; a float32 operand is exact there, and float64 carries more than twice float32's
+    bits, so the float64 quotient rounds to float32's own.  Magnitudes past the splitting's
+    range (beyond 2^996, below 2^-960) keep the plain product."""
+    dtype = a.dtype
+    wide = a.astype(jnp.float64)
+    reciprocal = 1.0 / divisor
+    first = wide * reciprocal
+    p, e = _two_product(first, jnp.float64(divisor))
+    corrected = first + ((wide - p) - e) * reciprocal
+    size = jnp.abs(first)
+    q = jnp.where((size < 2.0 ** 996) & (size > 2.0 ** -960), corrected, first)
+    return q.astype(dtype)
 
 
 # -- checkers --------------------------------------------------------------------------------------

@@ -278,13 +278,6 @@ def linspace(ctx, start, end, steps, **kwargs):
     return linspace_values(start.astype(_F64), end.astype(_F64), steps, _F64).astype(dtype)
 
 
-def exact_div(a, b):
-    """a / b, rounded once.  XLA's algebraic simplifier turns a division by a constant into a
-    multiplication by its (rounded) reciprocal, an ulp off torch's quotient; the barrier keeps
-    the divisor opaque."""
-    return a / lax.optimization_barrier(b)
-
-
 def linspace_values(start, end, steps: int, dtype):
     """torch.linspace(start, end, steps) for ``steps`` >= 2, as the CPU kernel computes it:
     the first half from ``start``, the second from ``end``.  ``start`` and ``end`` are traced
@@ -293,17 +286,17 @@ def linspace_values(start, end, steps: int, dtype):
     head = i < steps // 2
     if dtype in _HALF_TYPES:
         # c10::Half arithmetic rounds every intermediate to the type itself.
-        step = exact_div(end - start, jnp.asarray(steps - 1, dtype))
+        step = common.exact_div(end - start, jnp.asarray(steps - 1, dtype))
         k = jnp.asarray(np.where(head, i, steps - i - 1), dtype)
         return jnp.where(head, start + step * k, end - step * k)
     k = jnp.asarray(np.where(head, i, steps - i - 1), _F64)
     if jnp.dtype(dtype) == jnp.float32:
         # step * i is exact in double for i < 2**29, so one rounding of the sum to float32
         # stands for the fused multiply-add (up to rare double-rounding ties).
-        step = exact_div(end - start, jnp.asarray(steps - 1, jnp.float32)).astype(_F64)
+        step = common.exact_div(end - start, jnp.asarray(steps - 1, jnp.float32)).astype(_F64)
         values = jnp.where(head, start.astype(_F64) + step * k, end.astype(_F64) - step * k)
         return values.astype(dtype)
-    return _halves_f64(start, end, exact_div(end - start, jnp.asarray(steps - 1, _F64)), steps)
+    return _halves_f64(start, end, common.exact_div(end - start, jnp.asarray(steps - 1, _F64)), steps)
 
 
 def _halves_f64(start, end, step, steps: int):
@@ -350,7 +343,7 @@ def logspace(ctx, start, end, steps, base=10.0, **kwargs):
             return jnp.full(ctx.out_shape, value.astype(jnp.float32), dtype)
         return jnp.full(ctx.out_shape, _checked_scalar(value, dtype), dtype)
     start, end = _checked_scalar(start, dtype), _checked_scalar(end, dtype)
-    step = exact_div((end - start).astype(_F64), jnp.asarray(steps - 1, _F64))
+    step = common.exact_div((end - start).astype(_F64), jnp.asarray(steps - 1, _F64))
     exponent = _halves_f64(start.astype(_F64), end.astype(_F64), step, steps)
     return jnp.power(jnp.asarray(base, _F64), exponent)
 

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import creation
+from . import common, creation
 from .registry import LoweringContext, lowering, replay_on_cpu, runtime_check, shape_rule
 from .._lazy import lazy_import
 
@@ -173,7 +173,7 @@ def _histogram(x, edges, weight, density: bool, linear: bool):
     inside = (flat >= left) & (flat <= right)
     if linear:
         # LINEAR_INTERPOLATION_WITH_LOCAL_SEARCH
-        q = creation.exact_div((flat - left) * jnp.asarray(bins, dtype), right - left)
+        q = common.exact_div((flat - left) * jnp.asarray(bins, dtype), right - left)
         wild = ~jnp.isfinite(q)     # the cast gives INT64_MIN (x86's integer indefinite)
         pos = jnp.where(wild | ~inside, 0, q).astype(_I64)
         first = jnp.maximum(pos - 1, 0)
@@ -194,8 +194,8 @@ def _histogram(x, edges, weight, density: bool, linear: bool):
     w = jnp.ones(flat.shape, dtype) if weight is None else weight.reshape(-1)
     hist = jnp.zeros((bins,), dtype).at[pos].add(w, mode="drop")
     if density:
-        hist = creation.exact_div(hist, hist.sum())
-        hist = creation.exact_div(hist, edges[1:] - edges[:-1])
+        hist = common.exact_div(hist, hist.sum())
+        hist = common.exact_div(hist, edges[1:] - edges[:-1])
     return hist, edges
 
 

@@ -283,10 +283,12 @@ for _op, _fn in _SAME_DTYPE_UNARY.items():
 @lowering(aten.round.decimals, check=common.check)
 def round_decimals(ctx, x, *, decimals):
     x = common.through(ctx.out_dtype, x)
-    scale = np.asarray(10.0 ** abs(decimals), dtype=x.dtype)
+    # (torch's kernel: nearbyint(x * 10^d) / 10^d, or nearbyint(x / 10^-d) * 10^-d for d < 0)
+    ten_power = 10.0 ** abs(decimals)
+    scale = np.asarray(ten_power, dtype=x.dtype)
     if decimals < 0:
-        return jnp.round(x / scale) * scale
-    return jnp.round(x * scale) / scale
+        return jnp.round(common.divided_by_constant(x, ten_power)) * scale
+    return common.divided_by_constant(jnp.round(x * scale), ten_power)
 
 
 @lowering(aten.logit.default, check=common.check)
