@@ -112,6 +112,8 @@ SLOW_TESTS = frozenset({
     "tests/test_blocks.py::test_a_later_process_starts_a_place_from_its_remembered_choice",
     "tests/test_blocks.py::test_a_process_too_short_to_choose_leaves_its_runs_to_the_next",
     "tests/test_cache.py::test_executables_in_memory_are_bounded_by_the_mappings_they_hold",
+    "tests/test_host_kernels.py::test_the_library_make_install_built_is_found_whatever_the_cache_folder",
+    "tests/test_host_kernels.py::test_the_disk_cache_round_trip_needs_the_host_kernels",
     "tests/test_host_kernels.py::test_the_zoos_products_give_stricts_bits[gpt2]",
     "tests/test_host_kernels.py::test_the_zoos_products_give_stricts_bits[mixtral]",
     "tests/test_host_kernels.py::test_the_zoos_products_give_stricts_bits[bert]",

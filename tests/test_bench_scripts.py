@@ -199,6 +199,18 @@ def test_adamw_parts_splits_a_deferred_optimizer_step(capsys):
         assert part in out
 
 
+def test_dispatch_floor_times_each_lane_and_records_every_op(capsys):
+    """bench.dispatch_floor's deferfuse lane records each op of the chain (nothing at once)."""
+    import deferfuse
+    from bench import dispatch_floor
+    deferfuse.reset_stats()
+    best = dispatch_floor.measure(ops=20, rounds=1, calls=1)
+    assert set(best) == set(dispatch_floor.lanes(2)) and all(us > 0 for us in best.values())
+    assert deferfuse.stats()["ops_recorded"] >= 20 * 6   # (5 warm-up calls and the timed one)
+    assert dispatch_floor.main(["--ops", "10", "--rounds", "1", "--calls", "1"]) == 0
+    assert "over the floor" in capsys.readouterr().out
+
+
 def test_a_bench_child_runs_at_deferfuses_defaults_whatever_its_caller_sets(monkeypatch):
     """The suite turns the tiers off (tests/conftest.py); a bench script whose defer lane says it
     runs "every setting at its default" must not inherit that: bench.read_cost's MLP ran every

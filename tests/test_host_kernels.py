@@ -286,7 +286,6 @@ def _entries(cache: str) -> list[dict]:
     return headers
 
 
-@pytest.mark.slow   # (three processes, ~10 s; make test-slow)
 def test_the_library_make_install_built_is_found_whatever_the_cache_folder(tmp_path):
     """make install builds the library into the package (python -m deferfuse.native): a process
     with a fresh cache folder, or none, loads it and builds nothing."""
@@ -309,7 +308,6 @@ def test_without_a_compiler_xlas_dots_run_with_one_warning(tmp_path):
     assert not (tmp_path / "native").exists() or not os.listdir(tmp_path / "native")
 
 
-@pytest.mark.slow   # (three processes, ~10 s; make test-slow)
 def test_the_disk_cache_round_trip_needs_the_host_kernels(tmp_path):
     cache = str(tmp_path / "cache")
     first = _child(cache)
