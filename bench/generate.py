@@ -21,6 +21,12 @@ lane's median, its tokens per second and its ratio to strict are printed and wri
 ``bench/results/generate.json`` with the machine.  Every lane's tokens are checked against
 strict's (static cache) and against eager with the default dynamic cache, and the graphs Dynamo
 made and deferfuse's plans and compiles are counted: after the first call, none.
+
+Each timed ``generate()`` is also split (medians over the rounds): ``forward ms``, one decoding
+call; ``in XLA ms``, deferfuse's XLA executions in it; ``prompt ms``, the first call (the
+prompt's prefill); ``decoding ms``, the sum of the other calls; ``outside ms``, the rest:
+``generate()``'s own loop between the calls (logits processing, stopping checks, the cache's
+positions), which every lane runs.
 """
 
 from __future__ import annotations
@@ -82,9 +88,10 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
 
     forward_s: dict[str, list[float]] = {lane: [] for lane in lanes}
     xla_s: dict[str, list[float]] = {lane: [] for lane in lanes}
+    spans: dict[str, list[tuple[float, float]]] = {lane: [] for lane in lanes}
     timing = [False]
     for lane in lanes:
-        _time_forward(models[lane], lane, forward_s, xla_s, timing)
+        _time_forward(models[lane], lane, forward_s, xla_s, timing, spans)
 
     row: dict[str, Any] = {"model": name, "size": size, "tokens": tokens, "prompt_tokens": prompt.shape[1],
                            "lanes": {}}
@@ -101,6 +108,9 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
         for lane in lanes:
             call(lane)
     samples: dict[str, list[float]] = {lane: [] for lane in lanes}
+    # per timed generate(): its first forward call (the prompt), the decoding calls' sum, and
+    # the rest (generate()'s own loop between the calls, which every lane runs)
+    parts: dict[str, list[tuple[float, float, float]]] = {lane: [] for lane in lanes}
     order = list(lanes)
     shuffle = random.Random(seed)
     before = _counts()
@@ -108,9 +118,13 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
     for _ in range(rounds):
         shuffle.shuffle(order)
         for lane in order:
+            spans[lane].clear()
             started = time.perf_counter()
             ids = call(lane)
-            samples[lane].append(time.perf_counter() - started)
+            total = time.perf_counter() - started
+            samples[lane].append(total)
+            calls = [end - start for start, end in spans[lane]]
+            parts[lane].append((calls[0], sum(calls[1:]), total - sum(calls)))
             row["lanes"][lane]["ids_changed"] = row["lanes"][lane].get("ids_changed", False) \
                 or not torch.equal(ids, row["lanes"][lane]["ids"])
     timing[0] = False
@@ -124,13 +138,16 @@ def bench_model(name: str, size: str, tokens: int, lanes: list[str], rounds: int
                      vs_strict=None if strict_median is None else strict_median / median,
                      forward_median_s=statistics.median(forward_s[lane]),
                      xla_median_s=statistics.median(xla_s[lane]) if xla_s[lane] else None,
+                     prompt_call_median_s=statistics.median(p[0] for p in parts[lane]),
+                     decoding_calls_median_s=statistics.median(p[1] for p in parts[lane]),
+                     outside_calls_median_s=statistics.median(p[2] for p in parts[lane]),
                      same_as_strict=None if reference is None else bool(torch.equal(ids, reference)))
     return row
 
 
-def _time_forward(model: Any, lane: str, forward_s: dict, xla_s: dict, timing: list) -> None:
-    """Time each ``model.forward`` call of ``lane`` while ``timing[0]``, and for a deferfuse lane
-    the XLA executions inside it."""
+def _time_forward(model: Any, lane: str, forward_s: dict, xla_s: dict, timing: list, spans: dict) -> None:
+    """Time each ``model.forward`` call of ``lane`` while ``timing[0]`` (its span kept in
+    ``spans[lane]``), and for a deferfuse lane the XLA executions inside it."""
     from deferfuse.exec import executables
     forward, run = model.forward, executables.run
     inside = [0.0]
@@ -151,7 +168,9 @@ def _time_forward(model: Any, lane: str, forward_s: dict, xla_s: dict, timing: l
         try:
             return forward(*args, **kwargs)
         finally:
-            forward_s[lane].append(time.perf_counter() - started)
+            ended = time.perf_counter()
+            forward_s[lane].append(ended - started)
+            spans[lane].append((started, ended))
             executables.run = run
             if lane.startswith("deferfuse"):
                 xla_s[lane].append(inside[0])
@@ -160,7 +179,8 @@ def _time_forward(model: Any, lane: str, forward_s: dict, xla_s: dict, timing: l
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'model':<7}{'lane':<20}{'first call s':>13}{'median ms':>11}{'tokens/s':>10}{'vs strict':>11}"
-             f"{'same ids':>10}{'forward ms':>12}{'in XLA ms':>11}  first call made"]
+             f"{'same ids':>10}{'forward ms':>12}{'in XLA ms':>11}{'prompt ms':>11}{'decoding ms':>13}"
+             f"{'outside ms':>12}  first call made"]
     for row in rows:
         for lane, e in row["lanes"].items():
             same = e["same_as_strict"] is not False and e["same_as_dynamic_cache"] and not e.get("ids_changed")
@@ -172,7 +192,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
             xla = "-" if e["xla_median_s"] is None else f"{e['xla_median_s'] * 1e3:.3f}"
             lines.append(f"{row['model']:<7}{lane:<20}{e['first_s']:>13.2f}{e['median_s'] * 1e3:>11.1f}"
                          f"{e['tokens_per_s']:>10.1f}{ratio:>11}{'yes' if same else 'NO':>10}"
-                         f"{e['forward_median_s'] * 1e3:>12.3f}{xla:>11}  {what}")
+                         f"{e['forward_median_s'] * 1e3:>12.3f}{xla:>11}{e['prompt_call_median_s'] * 1e3:>11.2f}"
+                         f"{e['decoding_calls_median_s'] * 1e3:>13.2f}{e['outside_calls_median_s'] * 1e3:>12.2f}  {what}")
         lines.append(f"{'':<7}(while timed: {row['counts_while_timed']})")
     return "\n".join(lines)
 

@@ -98,6 +98,10 @@ def test_generate_times_compiled_generate_beside_strict_and_checks_its_tokens(tm
     assert ours["same_as_strict"] and ours["same_as_dynamic_cache"] and not ours["ids_changed"]
     assert 1 <= ours["first_call_counts"]["compiled_graphs"] <= 3
     assert row["counts_while_timed"]["compiled_specializations"] == 0
+    # (the split: a prompt call, three decoding calls and generate()'s own loop make the whole)
+    for lane in row["lanes"].values():
+        parts = (lane["prompt_call_median_s"], lane["decoding_calls_median_s"], lane["outside_calls_median_s"])
+        assert all(p > 0 for p in parts) and abs(sum(parts) - lane["median_s"]) < 0.5 * lane["median_s"]
     assert "tokens/s" in capsys.readouterr().out
 
 
