@@ -211,6 +211,57 @@ def test_out_with_pending_contents_is_resized_eagerly():
     check(program, torch.randn(3, 3), torch.zeros(2, 2))
 
 
+def _sum_into_a_flat_out(a):
+    out = torch.zeros(3)                      # (made in the block: deferred)
+    return torch.sum(a * 1, 0, keepdim=True, out=out)
+
+
+def _cat_into_a_reused_out(a):
+    out = torch.zeros(8)
+    out.resize_(0)                            # (the reuse torch's resize warning suggests)
+    return torch.cat([a.flatten(), a[0] * 2], out=out)
+
+
+def _eval_batch_norm_into_reused_outs(x):
+    w, b, rm, rv = torch.ones(3), torch.zeros(3), torch.zeros(3) + 0.5, torch.ones(3) * 2
+    o, m, r = torch.zeros(30), torch.zeros(5), torch.zeros(5)
+    for t in (o, m, r):
+        t.resize_(0)
+    # (the CPU kernel writes other shapes than the functional twin computes: run eagerly)
+    torch.ops.aten.native_batch_norm.out(x * 1, w, b, rm, rv, False, 0.1, 1e-5, out=o, save_mean=m, save_invstd=r)
+    return o, m, r
+
+
+@pytest.mark.parametrize("program, inputs", [
+    (_sum_into_a_flat_out, (torch.randn(2, 3),)),
+    (_cat_into_a_reused_out, (torch.randn(2, 2),)),
+    (_eval_batch_norm_into_reused_outs, (torch.randn(2, 3, 4),)),
+], ids=["same-numel", "reused-after-resize_(0)", "eager-kernel-resizes"])
+def test_a_deferred_out_takes_the_results_shape_within_its_storage(program, inputs):
+    """A deferred out= tensor of another shape kept its old shape (the values written in the
+    old layout, or nothing: an eager kernel resized only the real view it was given)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # (torch's resize warning, in both)
+        check(program, *inputs)
+
+
+def test_a_deferred_out_that_must_grow_raises_and_keeps_its_contents():
+    """Growing a deferred out= tensor's storage raised torch's "storage that is not resizable"
+    (or nothing, with a wrong shape); it now says what to do, and the tensor is untouched."""
+    import warnings
+    with deferfuse.config.override(always_compile=True), deferfuse.defer(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.zeros(2) + 1
+        with pytest.raises(NotImplementedError, match=r"would grow its out= tensor to shape \(3,\)"):
+            torch.mul(torch.ones(3), 2.0, out=out)
+        reused = torch.zeros(5)
+        reused.resize_(0)
+        with pytest.raises(NotImplementedError, match="out= tensor of the result's shape"):
+            torch.cat([torch.arange(3.0), torch.arange(3.0)], out=reused)
+        assert out.tolist() == [1.0, 1.0] and tuple(reused.shape) == (0,)
+
+
 @pytest.mark.parametrize("program, out", [
     (lambda o: torch.zeros(2, 3, out=o), torch.empty(2, 3, dtype=torch.int64)),
     (lambda o: torch.ones(4, out=o), torch.empty(0, dtype=torch.bool)),

@@ -52,6 +52,19 @@ def all_computed(tensors: list) -> bool:
     return True
 
 
+def _follow_layout(t: DeferredTensor, real: torch.Tensor) -> None:
+    """A deferred tensor takes the shape, strides and offset its real view was given by the
+    eager kernel that wrote it (torch's kernels resize an out= tensor of the wrong shape, over
+    the same storage: the view of its memory that ``realize`` handed them)."""
+    m = t._meta
+    layout = (tuple(real.shape), tuple(real.stride()), real.storage_offset())
+    if layout == (m.shape, m.stride, m.offset):
+        return
+    with torch._C._DisableTorchDispatch():
+        torch.ops.aten.as_strided_.default(t, *layout)
+    t._meta = m._replace(shape=layout[0], stride=layout[1], offset=layout[2])
+
+
 class AtOnceMixin:
     """The Recorder's ops run at once, and ``realize``."""
 
@@ -194,7 +207,17 @@ class AtOnceMixin:
         # (an opaque result may hold its arguments' memory: sparse_coo_tensor keeps its values)
         exposes = info.kind not in FRESH_RESULT_KINDS or fallback_reason is FallbackReason.OPAQUE
         real_args, real_kwargs = self.realize((args, kwargs), flush_reason or FlushReason.FALLBACK, exposes)
-        out = func(*real_args, **real_kwargs)
+        try:
+            out = func(*real_args, **real_kwargs)
+        except RuntimeError as exc:
+            if "storage that is not resizable" in str(exc) and any(isinstance(t, DeferredTensor) for t in written):
+                # (torch's kernel grew an out= tensor that is a view of deferfuse's memory)
+                raise NotImplementedError(
+                    f"{func} would grow the storage of a deferred tensor it writes (an out= "
+                    f"tensor too small for its result), which deferfuse cannot do; pass an out= "
+                    f"tensor of the result's shape, or call deferfuse.sync() first, or run this "
+                    f"code under deferfuse.strict()") from exc
+            raise
         if fallback_reason is not None:
             # (counted once it ran: a call torch rejects raised strict's error, and fell back
             # from nothing)
@@ -213,6 +236,9 @@ class AtOnceMixin:
                 forget_all_reads()
         if written:
             real_written = written_arguments(func, info, real_args, real_kwargs)
+            for t, r in zip(written, real_written):
+                if isinstance(t, DeferredTensor) and isinstance(r, torch.Tensor):
+                    _follow_layout(t, r)
             return map_returned(out, real_written, written)
         return out
 

@@ -12,7 +12,7 @@ import itertools
 from typing import Any, Optional
 
 import torch
-from torch._prims_common.wrappers import _maybe_resize_out
+from torch._prims_common.wrappers import _maybe_resize_out, _resize_output_check
 
 from ..errors import FallbackReason, FlushReason
 from ..ir import graph
@@ -268,7 +268,7 @@ class MutationMixin:
             results = [t for r in results for t in (r if isinstance(r, (tuple, list)) else (r,))]
         outs = entry.outs if entry is not None else tuple(meta_of(r) for r in results)
         if is_out and (any(o is not None and tuple(r.shape) != tuple(o.shape) for r, o in zip(results, outs))
-                       or not self._resize_outs(targets, outs, results if info.pointwise else None)):
+                       or not self._resize_outs(func, targets, outs, results if info.pointwise else None)):
             # out= whose kernel writes other shapes than its functional twin computes (batch
             # norm's saved statistics in eval), or that resizes an output with pending
             # contents: let torch do it (what was just recorded is never used)
@@ -313,33 +313,57 @@ class MutationMixin:
         self.write(target, value, margs[0])
         return target
 
-    def _resize_outs(self, targets: list, outs: tuple, layouts: Optional[tuple] = None) -> bool:
+    def _resize_outs(self, func, targets: list, outs: tuple, layouts: Optional[tuple] = None) -> bool:
         """Resize out= tensors of the wrong shape as torch's kernels do (resize_output: a
         warning unless the tensor was empty, then memory of the new size, laid out as ``outs``
         say, or for pointwise ops as their ``layouts``, the functional results: the CPU kernel
         lays them out like its inputs where the meta kernel says contiguous), or say that it
         cannot be done here: a resized storage must not have pending contents, whose write-back
-        would land in memory of the old size."""
+        would land in memory of the old size.  A deferred out= tensor takes its new shape within
+        its storage, as ``resize_`` does (``r.resize_(0)`` then ``out=r``, the reuse torch's
+        warning suggests); one whose storage would have to grow raises NotImplementedError."""
         if layouts is not None:
             outs = tuple(o if o is None else o._replace(stride=tuple(r.stride())) for o, r in zip(outs, layouts))
         wrong = [(t, o) for t, o in zip(targets, outs)
                  if o is not None and tuple(t.shape) != tuple(o.shape)]
         for t, _ in wrong:
-            if isinstance(t, DeferredTensor) or t.layout is not torch.strided:
+            if t.layout is not torch.strided:
                 return False
+            if isinstance(t, DeferredTensor):
+                continue
             ptr = untyped_storage(t).data_ptr()
             state = STATES_BY_PTR.get(ptr) if ptr else None
             if state is not None and state.contents is not None:
                 return False
         self._forget_plain()
-        with no_dispatch():
-            for t, o in wrong:
+        for t, o in wrong:
+            if isinstance(t, DeferredTensor):
+                self._resize_deferred_out(func, t, o)
+                continue
+            with no_dispatch():
                 _maybe_resize_out(t, o.shape)
                 if tuple(t.stride()) != tuple(o.stride) and o.is_dense:
                     # the layout torch's kernel gives the result (channels-last): resize_ made
                     # it contiguous, over the same memory
                     t.as_strided_(o.shape, o.stride)
         return True
+
+    def _resize_deferred_out(self, func, t: DeferredTensor, o: TensorMeta) -> None:
+        """A deferred out= tensor given the result's shape (and dense layout) within its storage:
+        torch's warning, then resize_ as ``run_inplace_view`` applies it to a deferred tensor."""
+        _resize_output_check(t, o.shape)   # (torch's warning: resizing a non-empty out=)
+        resize = aten.resize_.default
+        try:
+            self.run_inplace_view(resize, op_info(resize), (t, tuple(o.shape)), {})
+        except NotImplementedError:
+            raise NotImplementedError(
+                f"{func} would grow its out= tensor to shape {tuple(o.shape)}: that tensor is deferred "
+                f"(a {t._meta.storage_numel}-element storage whose data does not exist yet), and "
+                f"deferfuse cannot grow it; pass an out= tensor of the result's shape, or call "
+                f"deferfuse.sync() first, or run this code under deferfuse.strict()") from None
+        if tuple(t.stride()) != tuple(o.stride) and o.is_dense:
+            strided = aten.as_strided_.default
+            self.run_inplace_view(strided, op_info(strided), (t, tuple(o.shape), tuple(o.stride)), {})
 
     def dispatch_functional(self, func, args, kwargs):
         STATS.ops_recorded -= 1  # counted once, as the mutating op
