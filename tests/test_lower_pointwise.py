@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import deferfuse
-from oracle import check, grads, lowered
+from oracle import assert_same, check, grads, lowered, run_both
 
 aten = torch.ops.aten
 NAN, INF = math.nan, math.inf
@@ -131,6 +131,20 @@ def test_round_to_decimals_gives_stricts_bits(dtype):
     x = torch.tensor([2.675, 0.285, 1.115, -2.675, 1.005, 0.125, 3.14159, -12.345, 1234.5, 0.0, -0.0,
                       1e-3, 7.77e4, NAN, INF, -INF], dtype=dtype)
     lowered(lambda x: tuple(x.round(decimals=d) for d in (1, 2, 3, 4, -1, -2)), x, exact=True)
+
+
+@pytest.mark.parametrize("n", [1, 16], ids=["scalar-kernel", "vector-kernel"])
+def test_relu_clamp_and_hardtanh_keep_the_inputs_zero(n):
+    # (torch's kernels keep x where it equals the bound: relu(-0.0) is -0.0, which prints as
+    # "-0." and turns 1/x into -inf; XLA's max gave +0.0; found by a client program)
+    x = torch.tensor([0.0, -0.0, 1.5, -2.0, NAN, 0.0, -0.0, 6.0]).repeat(n)
+    programs = (torch.relu, lambda t: t.clamp(min=0.0), lambda t: t.clamp(min=-0.0), lambda t: t.clamp(max=0.0),
+                lambda t: t.clamp(max=-0.0), lambda t: t.clamp(-0.0, 0.0), lambda t: torch.clamp_min(t, 0.0),
+                lambda t: F.hardtanh(t, -0.0, 0.0), F.relu6, lambda t: F.relu(t.double()))
+    for program in programs:
+        expected, actual, _, _ = run_both(program, x)
+        assert_same(expected, actual, exact=True)
+        assert torch.equal(torch.signbit(actual), torch.signbit(expected)), (actual, expected)
 
 
 def test_unary_special_cases():

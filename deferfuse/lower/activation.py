@@ -49,7 +49,7 @@ def _rounded_params(ctx, *xs):
 @lowering(aten.relu.default, check=common.check)
 def relu(ctx, x):
     x = _tensors(ctx, x)
-    return jnp.maximum(x, jnp.zeros((), x.dtype))     # NaN propagates, as in torch
+    return common.at_least(x, jnp.zeros((), x.dtype))     # (-0.0 stays -0.0; NaN propagates)
 
 
 @lowering(aten.gelu.default, check=common.check)
@@ -77,7 +77,7 @@ def mish(ctx, x):
 def hardtanh(ctx, x, min_val=-1, max_val=1):
     # a clamp: exact, so the bounds round to the tensor's own dtype
     x, low, high = _tensors(ctx, x, min_val, max_val)
-    return jnp.minimum(jnp.maximum(x, low), high)
+    return common.at_most(common.at_least(x, low), high)
 
 
 @lowering(aten.hardsigmoid.default, check=common.check)

@@ -42,6 +42,17 @@ def exact_div(a, b):
     return a / lax.optimization_barrier(b)
 
 
+def at_least(x, low):
+    """max(x, low) as torch's clamp and relu take it: ``x`` where the two compare equal, so
+    relu(-0.0) is -0.0 (XLA's max, IEEE's, gives +0.0); NaN propagates as through max."""
+    return jnp.where(x == low, x, jnp.maximum(x, low))
+
+
+def at_most(x, high):
+    """min(x, high), ``x`` where the two compare equal (``at_least``)."""
+    return jnp.where(x == high, x, jnp.minimum(x, high))
+
+
 # Veltkamp's splitter for float64: 2^27 + 1
 _SPLITTER = 134217729.0
 

@@ -630,9 +630,9 @@ def clamp(ctx, x, min=None, max=None):
     dt = ctx.out_dtype
     x = common.as_dtype(dt, x)
     if min is not None:
-        x = jnp.maximum(x, common.as_dtype(dt, min))
+        x = common.at_least(x, common.as_dtype(dt, min))
     if max is not None:
-        x = jnp.minimum(x, common.as_dtype(dt, max))
+        x = common.at_most(x, common.as_dtype(dt, max))
     return x
 
 
