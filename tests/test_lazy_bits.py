@@ -42,6 +42,19 @@ def test_lazy_views_of_pending_tensors_stay_pending(program):
     _no_fallback(program, Z)
 
 
+@pytest.mark.parametrize("program", [
+    lambda z: z.conj().tolist(),
+    lambda z: z.conj().imag.tolist(),                  # (imag of a conjugate: a negative view)
+    lambda z: aten._neg_view(z.real).tolist(),
+    lambda z: [z.conj()[1].tolist(), z.conj().resolve_conj().tolist()],
+], ids=["conj", "conj_imag", "neg_view", "row_and_resolved"])
+def test_tolist_of_a_lazy_view_of_a_plain_tensor(program):
+    """torch's tolist resolves the view with a clone through the dispatcher, then reads the
+    clone's memory: under defer the clone was deferred ("tolist() shouldn't be called on a
+    tensor with unallocated storage"); found by a client program."""
+    check(program, torch.tensor([[1 + 2j, -3j, 0.5], [4.5 + 1j, 2 - 1j, -0.0 + 0j]]))   # (lists: no NaN)
+
+
 def test_conjugate_view_sees_later_writes_to_its_base():
     def program(z):
         y = z * 2

@@ -111,6 +111,17 @@ class AtOnceMixin:
         STATS.ops_recorded += 1
         return LOCAL_SCALAR_DENSE(t)
 
+    def resolved_at_once(self, func, args: tuple, kwargs: dict) -> Any:
+        """``clone`` of a plain conjugate or negative view with computed contents, run at once:
+        torch's ``tolist`` resolves such a view through the dispatcher (a clone) and then reads
+        the result's memory, which a deferred result does not have ("unallocated storage").
+        NotImplemented otherwise."""
+        t = args[0]
+        if opaque(t) or not all_computed([t]):
+            return NotImplemented
+        STATS.ops_recorded += 1
+        return func(*args, **kwargs)
+
     def at_once_if_host_scalar(self, func, args: tuple, kwargs: dict) -> Any:
         """Run a pointwise op at once on torch's kernel when every tensor it touches is a plain
         CPU tensor of at most one element with computed contents (host_scalars_at_once);

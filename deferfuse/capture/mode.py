@@ -25,6 +25,8 @@ from .opfacts import LOCAL_SCALAR_DENSE
 from .patches import BLOCK_PATCHES, READ_PATCHES, SEGMENT_READS
 from .recorder import Recorder
 
+_CLONE = torch.ops.aten.clone.default
+
 
 def _defer_dispatch(self, func, types, args=(), kwargs=None):
     """DeferMode.__torch_dispatch__: the op recorded, and a write it made into foreign memory
@@ -47,6 +49,10 @@ def _record(self, func, types, args=(), kwargs=None):
             result = recorder.at_once_if_host_scalar(func, args, kwargs)
         else:
             result = NotImplemented
+        if result is not NotImplemented:
+            return result
+    if func is _CLONE and args and type(args[0]) is torch.Tensor and (args[0].is_conj() or args[0].is_neg()):
+        result = recorder.resolved_at_once(func, args, kwargs)
         if result is not NotImplemented:
             return result
     if id(func) in meta_.LONE_OPS and recorder.eager_lone:
