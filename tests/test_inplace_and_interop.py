@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import deferfuse
+from deferfuse.capture.tensor import DeferredTensor
 from deferfuse.exec import interop
 
 from oracle import check
@@ -263,3 +264,27 @@ def test_an_update_written_back_is_seen_through_every_view_and_keeps_the_storage
     torch.testing.assert_close(row, expected[1])
     torch.testing.assert_close(column, expected[:, 3])
     assert p.data_ptr() == pointer
+
+
+@pytest.mark.parametrize("reshape", [
+    lambda t: t.t_(),
+    lambda t: t.transpose_(0, 1),
+    lambda t: t.unsqueeze_(1),
+    lambda t: t.squeeze_(),
+    lambda t: t.as_strided_((2, 2), (1, 3)),
+    lambda t: t.resize_(3, 1),
+], ids=["t_", "transpose_", "unsqueeze_", "squeeze_", "as_strided_", "resize_within"])
+def test_an_inplace_view_op_on_a_deferred_tensor_outside_any_block_reshapes_it(reshape):
+    """A deferred tensor used after its block (or in a segment run at once) ran the op on the
+    real view of its memory, and the tensor itself kept its old shape: torch's unpad_sequence
+    (transpose_) then zipped rows of the wrong length; found by a client program."""
+    strict = torch.arange(6.0).view(2, 3) * 1
+    with deferfuse.config.override(always_compile=True), deferfuse.defer():
+        deferred = torch.arange(6.0).view(2, 3) * 1
+    assert type(deferred) is DeferredTensor
+    assert reshape(deferred) is deferred
+    reshape(strict)
+    assert (deferred.shape, deferred.stride(), deferred.storage_offset()) == \
+        (strict.shape, strict.stride(), strict.storage_offset())
+    assert deferred.tolist() == strict.tolist()
+    assert (deferred + 1).tolist() == (strict + 1).tolist()

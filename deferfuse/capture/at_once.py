@@ -26,7 +26,7 @@ from .collectives import COLLECTIVE
 from .opaque import opaque
 from .opfacts import FACTS, LOCAL_SCALAR_DENSE, learn_facts
 from .storage import STATES_BY_PTR, forget_all_reads, snapshot_old_leaves, untyped_storage
-from .tensor import DeferredTensor
+from .tensor import DeferredTensor, follow_layout
 from .trees import map_returned, map_tensors, restructure, tensors_in, written_arguments
 
 aten = torch.ops.aten
@@ -50,19 +50,6 @@ def all_computed(tensors: list) -> bool:
             if state is not None and state.contents is not None:
                 return False
     return True
-
-
-def _follow_layout(t: DeferredTensor, real: torch.Tensor) -> None:
-    """A deferred tensor takes the shape, strides and offset its real view was given by the
-    eager kernel that wrote it (torch's kernels resize an out= tensor of the wrong shape, over
-    the same storage: the view of its memory that ``realize`` handed them)."""
-    m = t._meta
-    layout = (tuple(real.shape), tuple(real.stride()), real.storage_offset())
-    if layout == (m.shape, m.stride, m.offset):
-        return
-    with torch._C._DisableTorchDispatch():
-        torch.ops.aten.as_strided_.default(t, *layout)
-    t._meta = m._replace(shape=layout[0], stride=layout[1], offset=layout[2])
 
 
 class AtOnceMixin:
@@ -249,7 +236,7 @@ class AtOnceMixin:
             real_written = written_arguments(func, info, real_args, real_kwargs)
             for t, r in zip(written, real_written):
                 if isinstance(t, DeferredTensor) and isinstance(r, torch.Tensor):
-                    _follow_layout(t, r)
+                    follow_layout(t, r)
             return map_returned(out, real_written, written)
         return out
 

@@ -304,6 +304,19 @@ def computed_data(t: torch.Tensor) -> torch.Tensor:
         return t._materialize(exposes=False)
 
 
+def follow_layout(t: DeferredTensor, real: torch.Tensor) -> None:
+    """A deferred tensor takes the shape, strides and offset that an eager op gave the real view
+    of its memory it ran on (an in-place view op, ``t_`` or ``unsqueeze_``, outside a context or
+    in a segment run at once; a kernel resizing an out= tensor within its storage)."""
+    m = t._meta
+    layout = (tuple(real.shape), tuple(real.stride()), real.storage_offset())
+    if layout == (m.shape, m.stride, m.offset):
+        return
+    with torch._C._DisableTorchDispatch():
+        torch.ops.aten.as_strided_.default(t, *layout)
+    t._meta = m._replace(shape=layout[0], stride=layout[1], offset=layout[2])
+
+
 def dispatch_outside_context(func, args, kwargs) -> Any:
     """An op on DeferredTensors with no defer context active: run it eagerly on their data."""
     from . import flush
@@ -320,8 +333,11 @@ def dispatch_outside_context(func, args, kwargs) -> Any:
     out = func(*real_args, **real_kwargs)
     if info.written:
         written = written_arguments(func, info, args, kwargs)
-        for t in written:
+        real_written = written_arguments(func, info, real_args, real_kwargs)
+        for t, r in zip(written, real_written):
             if isinstance(t, DeferredTensor):
                 t._storage.changed()
-        return map_returned(out, written_arguments(func, info, real_args, real_kwargs), written)
+                if isinstance(r, torch.Tensor):
+                    follow_layout(t, r)
+        return map_returned(out, real_written, written)
     return out
