@@ -26,7 +26,7 @@ from .collectives import COLLECTIVE
 from .opaque import opaque
 from .opfacts import FACTS, LOCAL_SCALAR_DENSE, learn_facts
 from .storage import STATES_BY_PTR, forget_all_reads, snapshot_old_leaves, untyped_storage
-from .tensor import DeferredTensor, follow_layout
+from .tensor import DeferredTensor, cannot_grow, follow_layout
 from .trees import map_returned, map_tensors, restructure, tensors_in, written_arguments
 
 aten = torch.ops.aten
@@ -210,11 +210,7 @@ class AtOnceMixin:
         except RuntimeError as exc:
             if "storage that is not resizable" in str(exc) and any(isinstance(t, DeferredTensor) for t in written):
                 # (torch's kernel grew an out= tensor that is a view of deferfuse's memory)
-                raise NotImplementedError(
-                    f"{func} would grow the storage of a deferred tensor it writes (an out= "
-                    f"tensor too small for its result), which deferfuse cannot do; pass an out= "
-                    f"tensor of the result's shape, or call deferfuse.sync() first, or run this "
-                    f"code under deferfuse.strict()") from exc
+                raise cannot_grow(func, "a deferred tensor it writes (an out= tensor too small for its result)") from exc
             raise
         if fallback_reason is not None:
             # (counted once it ran: a call torch rejects raised strict's error, and fell back

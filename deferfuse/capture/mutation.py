@@ -25,7 +25,7 @@ from .dispatch_keys import no_dispatch
 from .opfacts import INPLACE_TWINS, LAZY_BIT_VIEWS, UNKNOWN, inplace_twin, overlap_rule, rebind
 from .sized import SIZED
 from .storage import STATES_BY_PTR, untyped_storage
-from .tensor import DeferredTensor
+from .tensor import DeferredTensor, cannot_grow
 from .trees import restructure, tensors_in, written_arguments
 
 aten = torch.ops.aten
@@ -356,11 +356,8 @@ class MutationMixin:
         try:
             self.run_inplace_view(resize, op_info(resize), (t, tuple(o.shape)), {})
         except NotImplementedError:
-            raise NotImplementedError(
-                f"{func} would grow its out= tensor to shape {tuple(o.shape)}: that tensor is deferred "
-                f"(a {t._meta.storage_numel}-element storage whose data does not exist yet), and "
-                f"deferfuse cannot grow it; pass an out= tensor of the result's shape, or call "
-                f"deferfuse.sync() first, or run this code under deferfuse.strict()") from None
+            raise cannot_grow(func, f"its out= tensor to shape {tuple(o.shape)} (a deferred tensor over "
+                                    f"{t._meta.storage_numel} elements)") from None
         if tuple(t.stride()) != tuple(o.stride) and o.is_dense:
             strided = aten.as_strided_.default
             self.run_inplace_view(strided, op_info(strided), (t, tuple(o.shape), tuple(o.stride)), {})

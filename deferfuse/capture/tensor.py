@@ -317,6 +317,15 @@ def follow_layout(t: DeferredTensor, real: torch.Tensor) -> None:
     t._meta = m._replace(shape=layout[0], stride=layout[1], offset=layout[2])
 
 
+def cannot_grow(func, what: str) -> NotImplementedError:
+    """The error for an op that would grow a deferred tensor's storage (an out= tensor too small
+    for its result): ``what`` says which tensor."""
+    return NotImplementedError(
+        f"{func} would grow {what}, whose storage is deferfuse's and cannot grow; pass an out= "
+        f"tensor of the result's shape, or call deferfuse.sync() first, or run this code under "
+        f"deferfuse.strict()")
+
+
 def dispatch_outside_context(func, args, kwargs) -> Any:
     """An op on DeferredTensors with no defer context active: run it eagerly on their data."""
     from . import flush
